@@ -1,0 +1,108 @@
+"""The public actor API, source-compatible with ``monarch.actor``.
+
+Replace ``from monarch.actor import ...`` with ``from actormesh.actor import ...``.
+This module only re-exports; the implementation lives in the layers below.
+
+Example::
+
+    from actormesh.actor import Actor, endpoint, this_host
+
+    class Counter(Actor):
+        def __init__(self, start: int):
+            self.n = start
+
+        @endpoint
+        def incr(self) -> int:
+            self.n += 1
+            return self.n
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    counters = procs.spawn("counters", Counter, 0)
+    print(counters.incr.call().get())
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import config
+from .errors import ActorError, SupervisionError
+from .mesh import (
+    Accumulator,
+    ActorMesh,
+    Endpoint,
+    Extent,
+    HostMesh,
+    Point,
+    ProcMesh,
+    ValueMesh,
+    get_or_spawn_controller,
+    send,
+    this_host,
+    this_proc,
+)
+from .runtime import (
+    Actor,
+    Channel,
+    Context,
+    Future,
+    Instance,
+    MeshFailure,
+    Port,
+    PortReceiver,
+    concurrent_endpoint,
+    context,
+    current_actor_name,
+    default_fault_hook,
+    endpoint,
+    shutdown_context,
+)
+
+__all__ = [
+    "Accumulator",
+    "Actor",
+    "ActorError",
+    "ActorMesh",
+    "Channel",
+    "Context",
+    "Endpoint",
+    "Extent",
+    "Future",
+    "HostMesh",
+    "Instance",
+    "MeshFailure",
+    "Point",
+    "Port",
+    "PortReceiver",
+    "ProcMesh",
+    "SupervisionError",
+    "ValueMesh",
+    "concurrent_endpoint",
+    "config",
+    "context",
+    "current_actor_name",
+    "current_rank",
+    "current_size",
+    "endpoint",
+    "get_or_spawn_controller",
+    "send",
+    "shutdown_context",
+    "this_host",
+    "this_proc",
+    "unhandled_fault_hook",
+]
+
+
+def current_rank() -> Point:
+    """The current actor's point in the slice the current message was sent to."""
+    return context().message_rank
+
+
+def current_size() -> dict[str, int]:
+    """Sizes of the slice the current message was sent to."""
+    return dict(context().message_rank.extent)
+
+
+#: Called (on a runtime thread) with a MeshFailure nobody handled. Replace it to
+#: decide yourself; the default prints the report and ends the program.
+unhandled_fault_hook: Callable[[MeshFailure], Any] = default_fault_hook

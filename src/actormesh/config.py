@@ -1,0 +1,189 @@
+"""Settings of actormesh: one frozen dataclass, ``ACTORMESH_*`` environment overrides.
+
+Precedence, lowest first: defaults < environment (``ACTORMESH_<KEY>``, read once at
+import) < ``configure(**kw)`` / ``configured(**kw)``. Durations are seconds (floats)
+or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
+
+| key                     | default    | meaning |
+|-------------------------|------------|---------|
+| default_transport       | "unix"     | "unix" (same host) or "tcp" (loopback unless ``bind_host``) |
+| bind_host               | "127.0.0.1"| interface TCP listeners bind to; anything else is explicit |
+| codec_max_frame_length  | 10 GiB     | largest frame accepted; larger closes the connection |
+| connect_timeout         | 10.0       | seconds to connect and authenticate to a peer |
+| handshake_timeout       | 5.0        | seconds a peer has to finish the HMAC handshake |
+| proc_spawn_timeout      | 30.0       | seconds for a spawned proc to report ready |
+| stop_timeout            | 10.0       | seconds a stopping proc has before it is killed |
+| cleanup_timeout         | 3.0        | seconds ``__cleanup__`` may run at stop |
+| message_delivery_timeout| 30.0       | seconds before an undeliverable message fails |
+| use_uvloop              | True       | use uvloop for event loops when it is installed |
+
+Example::
+
+    from actormesh import config
+    with config.configured(default_transport="tcp"):
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["Config", "configure", "configured", "get_config", "get_global_config", "clear_runtime_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The settings in force; build new ones with :func:`configure`, never mutate."""
+
+    default_transport: str = "unix"
+    bind_host: str = "127.0.0.1"
+    codec_max_frame_length: int = 10 * 1024**3
+    connect_timeout: float = 10.0
+    handshake_timeout: float = 5.0
+    proc_spawn_timeout: float = 30.0
+    stop_timeout: float = 10.0
+    cleanup_timeout: float = 3.0
+    message_delivery_timeout: float = 30.0
+    use_uvloop: bool = True
+
+    def to_env(self) -> dict[str, str]:
+        """The settings as ``ACTORMESH_*`` variables, to hand to child processes."""
+        return {f"ACTORMESH_{f.name.upper()}": str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+_TRANSPORTS = ("unix", "tcp")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|min|s|m|h|d)\s*")
+
+
+def _parse_duration(text: str) -> float:
+    pos, total = 0, 0.0
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    while pos < len(text):
+        m = _DURATION.match(text, pos)
+        if not m:
+            raise ValueError(f"cannot parse duration {text!r}; use seconds or strings like '30s', '500ms', '1h 30m'")
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    return total
+
+
+def _coerce(key: str, value: Any, *, from_env: bool) -> Any:
+    field_type = {f.name: f.type for f in dataclasses.fields(Config)}[key]
+    if field_type == "bool":
+        if isinstance(value, bool):
+            return value
+        if from_env and isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"config key {key!r} expects a bool, got {value!r}")
+    if field_type == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"config key {key!r} expects an int (bytes), got {value!r}")
+        try:
+            result = int(value)
+        except ValueError as exc:
+            raise ConfigError(f"config key {key!r} expects an int (bytes), got {value!r}") from exc
+        if result <= 0:
+            raise ConfigError(f"config key {key!r} must be positive, got {value!r}")
+        return result
+    if field_type == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"config key {key!r} expects seconds, got {value!r}")
+        try:
+            result = float(value) if isinstance(value, (int, float)) else _parse_duration(str(value))
+        except ValueError as exc:
+            raise ConfigError(f"config key {key!r}: {exc}") from exc
+        if not result > 0 or result == float("inf"):
+            raise ConfigError(f"config key {key!r} must be a positive finite duration, got {value!r}")
+        return result
+    if not isinstance(value, str):
+        raise ConfigError(f"config key {key!r} expects a string, got {value!r}")
+    if key == "default_transport" and value not in _TRANSPORTS:
+        raise ConfigError(f"default_transport must be one of {_TRANSPORTS}, got {value!r}")
+    return value
+
+
+def _check(updates: dict[str, Any], *, from_env: bool) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(Config)}
+    out = {}
+    for key, value in updates.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(names))}")
+        out[key] = _coerce(key, value, from_env=from_env)
+    return out
+
+
+def _from_env() -> Config:
+    env = {}
+    for f in dataclasses.fields(Config):
+        raw = os.environ.get(f"ACTORMESH_{f.name.upper()}")
+        if raw is not None:
+            env[f.name] = raw
+    return Config(**_check(env, from_env=True))
+
+
+_lock = threading.Lock()
+_base = _from_env()
+_runtime: dict[str, Any] = {}
+_current = _base
+
+
+def get_config() -> Config:
+    """The settings in force now (cheap: one global read)."""
+    return _current
+
+
+def get_global_config() -> dict[str, Any]:
+    """The settings in force as a plain dict."""
+    return dataclasses.asdict(_current)
+
+
+def configure(**kw: Any) -> Config:
+    """Change settings for this process and the procs it spawns afterwards.
+
+    Unknown keys raise :class:`ConfigError` (a ValueError); wrong types too.
+    """
+    global _current
+    checked = _check(kw, from_env=False)
+    with _lock:
+        _runtime.update(checked)
+        _current = dataclasses.replace(_base, **_runtime)
+        return _current
+
+
+def clear_runtime_config() -> None:
+    """Drop everything set with :func:`configure`; environment overrides stay."""
+    global _current
+    with _lock:
+        _runtime.clear()
+        _current = _base
+
+
+@contextlib.contextmanager
+def configured(**kw: Any) -> Iterator[Config]:
+    """Apply settings inside a ``with`` block and restore the previous ones after it."""
+    global _current
+    checked = _check(kw, from_env=False)
+    with _lock:
+        saved = dict(_runtime)
+        _runtime.update(checked)
+        _current = dataclasses.replace(_base, **_runtime)
+    try:
+        yield _current
+    finally:
+        with _lock:
+            _runtime.clear()
+            _runtime.update(saved)
+            _current = dataclasses.replace(_base, **_runtime)

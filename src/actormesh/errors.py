@@ -1,0 +1,124 @@
+"""The one exception tree of actormesh, split by blame and by certainty.
+
+::
+
+    Exception
+    ├── ActorError                 user code raised in a remote endpoint; the actor lives.
+    │                              ``except ValueError`` still catches a remote ValueError:
+    │                              the instance is also an instance of the user's class.
+    ├── RuntimeError
+    │   ├── SupervisionError       the actor (or its process) died or was stopped; the call
+    │   │                          may or may not have run. Names actor, rank and cause.
+    │   ├── MeshStoppedError(SupervisionError)  the mesh was stopped on purpose.
+    │   └── TransportError         the system failed to move bytes (connection lost,
+    │       │                      peer unreachable, timed out connecting).
+    │       ├── ProtocolError      the peer broke protocol: malformed or oversized frame.
+    │       └── AuthenticationError  the peer failed the HMAC handshake.
+    └── ConfigError(ValueError)    a setting was unknown or had the wrong type.
+
+Lower layers raise the transport errors; the runtime translates them into
+SupervisionError at the boundary (``raise SupervisionError(...) from exc``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ActorError",
+    "SupervisionError",
+    "MeshStoppedError",
+    "TransportError",
+    "ProtocolError",
+    "AuthenticationError",
+    "ConfigError",
+]
+
+
+class TransportError(RuntimeError):
+    """Bytes could not be moved: a connection failed or was lost."""
+
+
+class ProtocolError(TransportError):
+    """The peer sent bytes that break the framing protocol (blame: the peer)."""
+
+
+class AuthenticationError(TransportError):
+    """The peer did not prove knowledge of the job secret."""
+
+
+class ConfigError(ValueError):
+    """A configuration key was unknown or its value had the wrong type."""
+
+
+class SupervisionError(RuntimeError):
+    """The actor a caller waits on failed or stopped; the call may or may not have run.
+
+    ``endpoint`` names the endpoint that was being called, when known.
+    """
+
+    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+class MeshStoppedError(SupervisionError):
+    """The mesh was stopped on purpose; calls on it fail at once."""
+
+
+class ActorError(Exception):
+    """A remote endpoint raised: ``.exception`` is the original exception.
+
+    ``str()`` carries the remote traceback. The actor that raised keeps serving.
+    Instances returned by the runtime are also instances of the original
+    exception's class when that class can be subclassed, so ``except ValueError``
+    catches a remote ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        exception: BaseException,
+        message: str = "A remote actor call has failed.",
+        exception_formatted: str | None = None,
+    ) -> None:
+        Exception.__init__(self, message)
+        self.exception = exception
+        self.message = message
+        self.exception_formatted = exception_formatted or repr(exception)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.message}\n Traceback of where the remote call failed (most recent call last):\n"
+            f"{self.exception_formatted}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_actor_error, (self.exception, self.message, self.exception_formatted))
+
+
+_mixed_classes: dict[type, type] = {}
+
+
+def _rebuild_actor_error(exc: BaseException, message: str, formatted: str) -> ActorError:
+    return make_actor_error(exc, message, formatted)
+
+
+def make_actor_error(exc: BaseException, message: str, formatted: str) -> ActorError:
+    """Build an ActorError that is also an instance of ``type(exc)`` when possible."""
+    cls = type(exc)
+    mixed = _mixed_classes.get(cls)
+    if mixed is None:
+        try:
+            mixed = type(f"ActorError[{cls.__name__}]", (ActorError, cls), {"__module__": __name__})
+        except TypeError:  # final classes or incompatible layouts
+            mixed = ActorError
+        _mixed_classes[cls] = mixed
+    err = mixed.__new__(mixed)
+    # Exception attributes of the user's class (errno, args...) mirror the original.
+    try:
+        err.__dict__.update(getattr(exc, "__dict__", {}))
+    except Exception:
+        pass
+    ActorError.__init__(err, exc, message, formatted)
+    err.args = getattr(exc, "args", ())
+    return err

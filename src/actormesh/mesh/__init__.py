@@ -1,0 +1,40 @@
+"""Mesh layer: shapes, value meshes, proc/host/actor meshes and endpoint adverbs."""
+
+from ..runtime import hooks as _hooks
+from ._actor_mesh import ActorMesh
+from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, send
+from ._proc_mesh import HostMesh, ProcMesh, get_or_spawn_controller, install_singleton_handler, proc_mesh_for, this_host, this_proc
+from ._shape import Extent, MeshTrait, Point, Shape
+from ._value_mesh import ValueMesh
+
+__all__ = [
+    "ActorMesh",
+    "Accumulator",
+    "Endpoint",
+    "NotAnEndpoint",
+    "send",
+    "HostMesh",
+    "ProcMesh",
+    "get_or_spawn_controller",
+    "this_host",
+    "this_proc",
+    "Extent",
+    "MeshTrait",
+    "Point",
+    "Shape",
+    "ValueMesh",
+]
+
+
+def _make_point(index: int, labels: tuple[str, ...], sizes: tuple[int, ...]) -> Point:
+    return Point(index, Extent(labels, sizes))
+
+
+def _on_runtime(rt: object) -> None:
+    if getattr(rt, "root_address", None) == getattr(rt, "address", None):
+        install_singleton_handler(rt)
+
+
+_hooks.make_point = _make_point
+_hooks.proc_mesh_for = proc_mesh_for
+_hooks.on_runtime = _on_runtime

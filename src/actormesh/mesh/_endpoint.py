@@ -1,0 +1,206 @@
+"""Endpoint adverbs: how a message to an actor mesh is cast and answered.
+
+``call`` gathers one reply per member into a ValueMesh (first error in rank
+order wins), ``call_one`` needs exactly one member, ``choose`` picks one at
+random, ``stream`` yields futures in arrival order, ``broadcast`` expects no
+answer (a failure goes to the mesh's owner). Arguments are checked against the
+endpoint's signature and pickled once, at the call site, in the caller's thread:
+wrong arguments and unpicklable values raise TypeError there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ..errors import SupervisionError
+from ..runtime import Future, GatherPort, Port, StreamPort, current_runtime, messages as M, pick_random
+from ..transport import dumps
+from ._shape import Shape
+from ._value_mesh import ValueMesh
+
+if TYPE_CHECKING:
+    from ._actor_mesh import ActorMesh
+
+__all__ = ["Endpoint", "Accumulator", "send", "NotAnEndpoint"]
+
+R = TypeVar("R")
+A = TypeVar("A")
+
+
+class Endpoint(Generic[R]):
+    """An endpoint of an actor mesh (``mesh.method``), with the adverbs."""
+
+    __slots__ = ("_mesh", "_prop")
+
+    def __init__(self, mesh: ActorMesh[Any], prop: Any) -> None:
+        self._mesh = mesh
+        self._prop = prop
+
+    def __repr__(self) -> str:
+        return f"<Endpoint {self._mesh._name}.{self._prop.name}>"
+
+    @property
+    def _what(self) -> str:
+        return f"{self._mesh._name}.{self._prop.name}"
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        self._prop.bind_check(args, kwargs)
+        return dumps((args, kwargs))
+
+    def _dead(self) -> str | None:
+        """Why this mesh (view) cannot take calls, if the owner knows it cannot."""
+        return self._mesh._status_problem()
+
+    def _cast(self, payload: list[Any], reply: tuple[str, int] | None, indices: range | list[int]) -> None:
+        mesh = self._mesh
+        rt = mesh._runtime()
+        shape = mesh._shape
+        labels, sizes = shape.labels, shape.sizes
+        actor, ep, addrs = mesh._mesh_name, self._prop.name, mesh._addresses
+        sender = rt.address
+        rank_at = shape.rank_at
+        send = rt.send
+        for i in indices:
+            send(addrs[rank_at(i)], (M.CALL, actor, ep, reply, i, labels, sizes, sender), payload)
+
+    def _describe(self, index: int) -> str:
+        return self._mesh._member(self._mesh._shape.rank_at(index))
+
+    def _targets(self) -> list[str]:
+        shape, addrs = self._mesh._shape, self._mesh._addresses
+        return [addrs[shape.rank_at(i)] for i in range(len(shape))]
+
+    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
+        """Call every member; the Future holds a ValueMesh of the replies."""
+        payload = self._prepare(args, kwargs)
+        problem = self._dead()
+        if problem:
+            return Future._failed(SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what))
+        shape = self._mesh._shape
+        result_shape = Shape.row_major(shape.labels, shape.sizes)
+        port = GatherPort(self._mesh._runtime(), self._what, self._targets(), lambda values: ValueMesh(result_shape, values), self._describe)
+        self._cast(payload, (port.runtime.address, port.port_id), range(len(shape)))
+        return port.future
+
+    def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
+        """Call the only member of a one-member mesh (ValueError otherwise)."""
+        n = len(self._mesh._shape)
+        if n != 1:
+            raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
+        return self._one(0, args, kwargs)
+
+    def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
+        """Call one member chosen uniformly at random."""
+        n = len(self._mesh._shape)
+        if n == 0:
+            raise ValueError("choose() on an empty mesh")
+        return self._one(pick_random(n), args, kwargs)
+
+    def _one(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[R]:
+        payload = self._prepare(args, kwargs)
+        problem = self._mesh._status_problem([index])
+        if problem:
+            return Future._failed(SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what))
+        addr = self._mesh._addresses[self._mesh._shape.rank_at(index)]
+        g = self._mesh._shape.rank_at(index)
+        port = StreamPort(self._mesh._runtime(), self._what, [addr], lambda _: self._mesh._member(g))
+        self._cast(payload, (port.runtime.address, port.port_id), [index])
+        return port.futures[0]
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
+        """Call every member; yield one Future per member, completed in arrival order."""
+        payload = self._prepare(args, kwargs)
+        problem = self._dead()
+        if problem:
+            err = SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what)
+            futures = [Future._failed(err) for _ in range(len(self._mesh._shape))]
+        else:
+            port = StreamPort(self._mesh._runtime(), self._what, self._targets(), self._describe)
+            self._cast(payload, (port.runtime.address, port.port_id), range(len(self._mesh._shape)))
+            futures = port.futures
+        return iter(futures)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every member, expecting no reply. Errors go to the mesh's owner."""
+        payload = self._prepare(args, kwargs)
+        problem = self._dead()
+        if problem:
+            raise SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what)
+        self._cast(payload, None, range(len(self._mesh._shape)))
+
+    def _send(self, args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None, selection: str) -> None:
+        payload = self._prepare(args, kwargs)
+        ref = port.ref if port is not None else None
+        n = len(self._mesh._shape)
+        if selection == "all":
+            self._cast(payload, ref, range(n))
+        elif selection == "choose":
+            self._cast(payload, ref, [pick_random(n)])
+        else:
+            raise ValueError(f"selection must be 'all' or 'choose', got {selection!r}")
+
+
+class NotAnEndpoint:
+    """What a plain (non-endpoint) method looks like on an actor mesh."""
+
+    def __init__(self, mesh: Any, name: str) -> None:
+        self._mesh = mesh
+        self._name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"Actor {self._mesh._class.__qualname__}.{self._name} is not annotated as an endpoint; add @endpoint or use as_endpoint().")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("call", "call_one", "choose", "stream", "broadcast"):
+            return self
+        raise AttributeError(name)
+
+
+def send(endpoint: Endpoint[Any], args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None = None, selection: str = "all") -> None:
+    """Low-level send: replies (one per member) go to ``port``; no port = broadcast."""
+    endpoint._send(tuple(args), dict(kwargs), port, selection)
+
+
+class Accumulator(Generic[R, A]):
+    """Fold the replies of an endpoint, in arrival order.
+
+    Example::
+
+        total = Accumulator(counters.value, 0, lambda acc, v: acc + v).accumulate().get()
+    """
+
+    def __init__(self, endpoint: Endpoint[R], identity: A, combine: Callable[[A, R], A]) -> None:
+        self._endpoint = endpoint
+        self._identity = identity
+        self._combine = combine
+
+    def accumulate(self, *args: Any, **kwargs: Any) -> Future[A]:
+        """Call every member now; the Future holds the folded result."""
+        futures = list(self._endpoint.stream(*args, **kwargs))
+        result: Future[A] = Future._create()
+        identity, combine = self._identity, self._combine
+
+        def fold() -> A:
+            acc = identity
+            for f in futures:
+                acc = combine(acc, f.get())
+            return acc
+
+        if not futures:
+            result._set_result(identity)
+            return result
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                result._set_thunk(fold)
+
+        for f in futures:
+            f._add_done_callback(one_done)
+        return result

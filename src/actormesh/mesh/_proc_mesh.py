@@ -1,0 +1,279 @@
+"""ProcMesh and HostMesh: processes to spawn actors on, and hosts to spawn them on.
+
+``this_host().spawn_procs(per_host={"gpus": 4})`` starts four worker processes
+(non-blocking: messages queue until they are up). ``procs.spawn(name, Cls, ...)``
+starts one actor per proc and returns its ActorMesh; the caller owns it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..errors import SupervisionError
+from ..runtime import (
+    CLIENT_NAME,
+    ChildProc,
+    Future,
+    GatherPort,
+    MeshRecord,
+    check_actor_class,
+    context,
+    current_runtime,
+    messages as M,
+    spawn_children,
+    stop_children,
+)
+from ..transport import dumps
+from ._actor_mesh import RESERVED_NAMES, ActorMesh, member_display
+from ._shape import Extent, MeshTrait, Shape
+
+__all__ = ["ProcMesh", "HostMesh", "this_host", "this_proc", "get_or_spawn_controller"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class _ProcMeshState:
+    """Shared by a proc mesh and all its slices."""
+
+    children: list[ChildProc] | None
+    stopped: str | None = None
+    actor_records: list[MeshRecord] = field(default_factory=list)
+
+
+class ProcMesh(MeshTrait):
+    """Processes, one per point; spawn actors on them with :meth:`spawn`."""
+
+    def __init__(self, addresses: list[str], shape: Shape, name: str, state: _ProcMeshState | None = None) -> None:
+        self._addresses = addresses
+        self._shape = shape
+        self._name = name
+        self._state = state  # None for a reference received from elsewhere
+
+    def _new_with_shape(self, shape: Shape) -> ProcMesh:
+        return ProcMesh(self._addresses, shape, self._name, self._state)
+
+    def spawn(self, name: str, Class: type[T], *args: Any, **kwargs: Any) -> T:
+        """Start one ``Class(*args, **kwargs)`` per proc; returns their ActorMesh at once.
+
+        ``__init__`` runs before the first message any member handles. Raises
+        ValueError for a class that is not an Actor, TypeError for arguments
+        that do not fit ``__init__`` or cannot be pickled.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"spawn() needs a non-empty actor name as first argument, got {name!r}")
+        is_async = check_actor_class(Class, RESERVED_NAMES)
+        init = Class.__init__
+        if init is object.__init__:
+            if args or kwargs:
+                raise TypeError(f"{Class.__qualname__}() takes no arguments, but spawn() was given some")
+        else:
+            try:
+                inspect.signature(init).bind(None, *args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"bad arguments for {Class.__qualname__}.__init__: {exc}") from None
+        if self._state is not None and self._state.stopped is not None:
+            raise SupervisionError(f"cannot spawn on proc mesh {self._name}: it was stopped ({self._state.stopped})")
+        payload = dumps((Class, args, kwargs))
+        rt = current_runtime()
+        ctx = context()
+        me = ctx.actor_instance
+        owner_name = me.name if me._cell is not None else CLIENT_NAME
+        mesh_name = f"{name}-{os.urandom(6).hex()}"
+        shape = self._shape
+        n = len(shape)
+        addresses = [self._addresses[shape.rank_at(i)] for i in range(n)]
+        extent = Extent(shape.labels, shape.sizes)
+        prefix = f"{me._display}.<{Class.__module__}.{Class.__qualname__} {name}"
+        record = MeshRecord(mesh_name, owner_name, addresses, prefix)
+        rt.owned_meshes[mesh_name] = record
+        if self._state is not None:
+            self._state.actor_records.append(record)
+        port = GatherPort(rt, f"{name}.__init__", addresses, lambda values: None)
+        owner = (rt.address, owner_name)
+        reply = (rt.address, port.port_id)
+        labels, sizes = shape.labels, shape.sizes
+        for i, addr in enumerate(addresses):
+            display = member_display(prefix, i, extent)
+            rt.send(addr, (M.SPAWN, mesh_name, i, labels, sizes, owner, reply, mesh_name, display, is_async), payload)
+        mesh: ActorMesh[Any] = ActorMesh(Class, name, mesh_name, addresses, Shape.row_major(labels, sizes), prefix, extent, record, port.future)
+        return mesh  # type: ignore[return-value]
+
+    @property
+    def initialized(self) -> Future[bool]:
+        """Completes with True once every proc is up (raises if one failed to start)."""
+        state = self._state
+        if state is None or not state.children:
+            return Future._completed(True)
+        children = state.children
+        fut: Future[bool] = Future._create()
+        lock = threading.Lock()
+        left = [len(children)]
+
+        def one(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fut._set_thunk(lambda: [c.ready.get() for c in children] and True)
+
+        for c in children:
+            c.ready._add_done_callback(one)
+        return fut
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop every proc (actors' ``__cleanup__`` run, then the processes exit).
+
+        Later spawns and calls on actors here fail at once with a clear error.
+        """
+        state = self._state
+        if state is None:
+            raise NotImplementedError("stop() is only available on the proc mesh its spawner holds, not on a reference")
+        if state.children is None:
+            raise RuntimeError("this_proc() is the current process itself; it cannot be stopped")
+        if state.stopped is None:
+            state.stopped = reason
+            for record in state.actor_records:
+                if record.stopped is None:
+                    record.stopped = reason
+        rt = current_runtime()
+        return stop_children(rt, state.children, rt.config.stop_timeout)
+
+    @property
+    def host_mesh(self) -> HostMesh:
+        """The host these procs run on."""
+        return HostMesh()
+
+    async def __aenter__(self) -> ProcMesh:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._state is not None and self._state.children is not None:
+            await self.stop()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ProcMesh, (self._addresses, self._shape, self._name))
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh {self._name} {self._shape.extent}>"
+
+
+class HostMesh(MeshTrait):
+    """Hosts to start procs on. ``this_host()`` is the local machine (extent ``{}``)."""
+
+    def __init__(self, shape: Shape | None = None) -> None:
+        self._shape = shape or Shape.unity()
+
+    def _new_with_shape(self, shape: Shape) -> HostMesh:
+        return HostMesh(shape)
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None, bootstrap: Callable[[], Any] | None = None, name: str | None = None) -> ProcMesh:
+        """Start ``per_host`` procs on every host, e.g. ``per_host={"gpus": 4}``.
+
+        ``bootstrap`` (sync or async, no arguments) runs on every proc before any
+        actor. Returns at once; use ``.initialized`` to wait for the procs.
+        """
+        per_host = dict(per_host or {})
+        for label, size in per_host.items():
+            if not isinstance(label, str):
+                raise TypeError(f"per_host keys must be dimension names (str), got {label!r}")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"per_host[{label!r}] must be a positive int, got {size!r}")
+        overlap = set(per_host) & set(self._shape.labels)
+        if overlap:
+            raise ValueError(f"per_host dims {sorted(overlap)} collide with the host mesh's dims {list(self._shape.labels)}")
+        if bootstrap is not None and not callable(bootstrap):
+            raise TypeError(f"bootstrap must be a callable taking no arguments, got {bootstrap!r}")
+        labels = (*self._shape.labels, *per_host)
+        sizes = (*self._shape.sizes, *per_host.values())
+        shape = Shape.row_major(labels, sizes)
+        base = name or "anon"
+        rt = current_runtime()
+        children = spawn_children(rt, [f"{base}-{i}" for i in range(len(shape))], bootstrap=bootstrap)
+        return ProcMesh([c.address for c in children], shape, base, _ProcMeshState(children))
+
+    def __repr__(self) -> str:
+        return f"<HostMesh {self._shape.extent}>"
+
+
+def this_host() -> HostMesh:
+    """The host the current code runs on."""
+    return HostMesh()
+
+
+_this_procs: dict[int, ProcMesh] = {}
+
+
+def this_proc() -> ProcMesh:
+    """The current process as a one-proc mesh: actors spawned here share its pid."""
+    return proc_mesh_for(current_runtime())
+
+
+def proc_mesh_for(rt: Any) -> ProcMesh:
+    """The one-proc mesh of a runtime (cached)."""
+    pm = _this_procs.get(id(rt))
+    if pm is None:
+        pm = ProcMesh([rt.address], Shape.unity(), rt.name, _ProcMeshState(None))
+        _this_procs[id(rt)] = pm
+    return pm
+
+
+_singletons: dict[str, ActorMesh[Any]] = {}
+_singleton_lock = threading.Lock()
+
+
+def _root_get_or_spawn(name: str, Class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActorMesh[Any]:
+    with _singleton_lock:
+        mesh = _singletons.get(name)
+        if mesh is None:
+            mesh = this_proc().spawn(name, Class, *args, **kwargs)  # type: ignore[assignment]
+            _singletons[name] = mesh
+        return mesh
+
+
+def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any) -> Future[T]:
+    """A process-wide singleton actor keyed by ``name``, living in the controller.
+
+    The first call spawns it (arguments used once); later calls, from the
+    controller or any actor, return the same actor.
+    """
+    rt = current_runtime()
+    if rt.root_address == rt.address:
+        return Future._completed(_root_get_or_spawn(name, Class, args, kwargs))
+    check_actor_class(Class, RESERVED_NAMES)
+    from ..runtime import StreamPort
+
+    port = StreamPort(rt, f"get_or_spawn_controller({name!r})", [rt.root_address])
+    rt.send(rt.root_address, (M.SINGLETON, name, (rt.address, port.port_id)), dumps((Class, args, kwargs)))
+    return port.futures[0]
+
+
+def install_singleton_handler(rt: Any) -> None:
+    """Serve get_or_spawn_controller requests from workers (root only)."""
+
+    def on_singleton(env: tuple[Any, ...], payload: Any) -> None:
+        from ..transport import loads
+
+        _, name, reply = env
+
+        def work() -> None:
+            try:
+                Class, args, kwargs = loads(payload)
+                mesh = _root_get_or_spawn(name, Class, args, kwargs)
+                rt.reply(reply, 0, M.OK, dumps(mesh))
+            except Exception as exc:
+                import traceback
+
+                rt.reply(reply, 0, M.ERROR, dumps((exc, traceback.format_exc())))
+
+        threading.Thread(target=work, name="actormesh-singleton", daemon=True).start()
+
+    rt.on_singleton = on_singleton

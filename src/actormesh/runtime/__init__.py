@@ -1,0 +1,56 @@
+"""Runtime layer: one process's actors, mailboxes, ports, futures, supervision and
+child procs. Knows nothing of meshes; the mesh layer builds on what is exported here."""
+
+from . import _hooks as hooks
+from . import _messages as messages
+from ._actor import (
+    Actor,
+    Context,
+    EndpointProperty,
+    Instance,
+    MeshFailure,
+    check_actor_class,
+    concurrent_endpoint,
+    endpoint,
+    endpoints_of,
+)
+from ._channel import Channel, Port, PortReceiver
+from ._context import context, current_actor_name, current_runtime, shutdown_context
+from ._future import Future
+from ._ports import GatherPort, QueuePort, StreamPort, pick_random
+from ._proc import ProcRuntime
+from ._spawn import ChildProc, spawn_children, stop_children
+from ._supervision import CLIENT_NAME, MeshRecord, default_fault_hook
+
+__all__ = [
+    "hooks",
+    "messages",
+    "Actor",
+    "Context",
+    "EndpointProperty",
+    "Instance",
+    "MeshFailure",
+    "check_actor_class",
+    "concurrent_endpoint",
+    "endpoint",
+    "endpoints_of",
+    "Channel",
+    "Port",
+    "PortReceiver",
+    "context",
+    "current_actor_name",
+    "current_runtime",
+    "shutdown_context",
+    "Future",
+    "GatherPort",
+    "QueuePort",
+    "StreamPort",
+    "pick_random",
+    "ProcRuntime",
+    "ChildProc",
+    "spawn_children",
+    "stop_children",
+    "CLIENT_NAME",
+    "MeshRecord",
+    "default_fault_hook",
+]

@@ -1,0 +1,403 @@
+"""A live actor in this process: its thread, its mailbox, its lifecycle.
+
+Theory of operation
+-------------------
+The loop thread ``post``s envelopes; the actor's own thread handles them one at
+a time, so user code never runs on the loop and one slow actor delays nobody
+else. Sync actors block on a ``SimpleQueue``. Async actors run their own event
+loop on their thread; the loop thread appends to a deque and wakes the actor's
+loop only when it sleeps, so a burst costs one wake-up.
+
+States: ``init`` -> ``running`` -> ``stopped`` | ``failed``. A failed or stopped
+actor answers every later call with a supervision error at once, from the loop
+thread. A failure is reported to the owner (``FAILURE`` envelope).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import queue
+import threading
+import traceback
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from ..transport import Segment, dumps, loads
+from . import _messages as M
+from ._actor import Context, Instance, MeshFailure, _context, _message_rank, endpoints_of, _overrides
+from ._channel import Port
+from ._loop import new_event_loop
+
+log = logging.getLogger("actormesh.actor")
+
+__all__ = ["Cell", "install"]
+
+_STOP = -1
+_SUPERVISE = -2
+
+
+def _error_payload(exc: BaseException) -> list[Segment]:
+    formatted = "".join(traceback.format_exception(exc))
+    try:
+        return dumps((exc, formatted))
+    except TypeError:
+        return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), formatted))
+
+
+class Cell:
+    """One actor instance and the thread that runs it."""
+
+    def __init__(self, runtime: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        (_, name, rank, labels, sizes, owner, reply, mesh_name, display, is_async) = env
+        self.runtime = runtime
+        self.name = name
+        self.rank_raw = (rank, tuple(labels), tuple(sizes))
+        self.owner = owner
+        self.mesh_name = mesh_name
+        self.display = display
+        self.is_async = is_async
+        self.status = "init"
+        self.cause: str | None = None
+        self._spawn_payload = payload
+        self._spawn_reply = reply
+        self.instance: Any = None
+        self._endpoints: dict[str, Any] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        if is_async:
+            self._loop = new_event_loop()
+            self._deque: deque[tuple[Any, Any]] = deque()
+            self._idle = False
+            self._wake_event: asyncio.Event | None = None
+            target = self._run_async
+        else:
+            self._queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+            target = self._run_sync
+        self.thread = threading.Thread(target=target, name=f"actor-{name}-{rank}", daemon=True)
+        self.thread.start()
+
+    # -- loop thread side ---------------------------------------------------------------
+    def post(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        """Hand a message to the actor (loop thread). Dead actors answer at once."""
+        if self.status in ("failed", "stopped"):
+            self._refuse(env)
+            return
+        if self.is_async:
+            self._deque.append((env, payload))
+            if self._idle:
+                self._idle = False
+                try:
+                    self._loop.call_soon_threadsafe(self._wake)
+                except RuntimeError:
+                    pass
+        else:
+            self._queue.put((env, payload))
+
+    def _refuse(self, env: tuple[Any, ...]) -> None:
+        if env[0] == M.CALL and env[3] is not None:
+            self.runtime.reply(env[3], env[4], M.SUPERVISION, dumps(self.dead_text()))
+        elif env[0] == _STOP and env[1] is not None:
+            self.runtime.reply(env[1], 0, M.OK, dumps(None))
+
+    def dead_text(self) -> str:
+        """What callers of this dead actor are told."""
+        if self.status == "stopped":
+            return f"The actor {self.display} has status: stopped: {self.cause or 'stopped by client'}"
+        return f"The actor {self.display} and all its descendants have failed:\n  {self.cause}"
+
+    def stop(self, reply: tuple[str, int] | None) -> None:
+        """Stop after the messages already queued (loop thread)."""
+        self.post((_STOP, reply, None), ())
+
+    def request_stop(self, failure: str | None) -> None:
+        """Stop (or abort with ``failure``) from the actor's own code."""
+        self.post((_STOP, None, failure), ())
+
+    def supervise(self, failure: MeshFailure) -> None:
+        """Deliver a failure of a mesh this actor owns (loop thread)."""
+        self.post((_SUPERVISE, failure), ())
+
+    def _wake(self) -> None:
+        if self._wake_event is not None:
+            self._wake_event.set()
+
+    # -- actor thread side --------------------------------------------------------------
+    def _enter(self) -> bool:
+        rank_point = None
+        try:
+            from . import _hooks
+
+            rank_point = _hooks.make_point(*self.rank_raw)
+        except Exception:
+            rank_point = self.rank_raw
+        inst = Instance(runtime=self.runtime, name=self.name, display=self.display, rank=rank_point, class_name="", cell=self)
+        self.ctx = Context(inst)
+        _context.set(self.ctx)
+        try:
+            cls, args, kwargs = loads(self._spawn_payload)
+            self._spawn_payload = ()
+            inst.class_name = f"{cls.__module__}.{cls.__qualname__}"
+            self.cls = cls
+            self._endpoints = endpoints_of(cls)
+            token = _message_rank.set(self.rank_raw)
+            try:
+                obj = cls.__new__(cls)
+                self.instance = obj
+                result = obj.__init__(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    raise TypeError("__init__ must not be async")
+            finally:
+                _message_rank.reset(token)
+        except BaseException as exc:
+            self._fail(f"actor failed in __init__: {''.join(traceback.format_exception(exc))}", run_cleanup=False)
+            if self._spawn_reply is not None:
+                self.runtime.reply(self._spawn_reply, self.rank_raw[0], M.OK, dumps(None))
+            return False
+        self.status = "running"
+        if self._spawn_reply is not None:
+            self.runtime.reply(self._spawn_reply, self.rank_raw[0], M.OK, dumps(None))
+        return True
+
+    def _run_sync(self) -> None:
+        ok = self._enter()
+        get = self._queue.get
+        while True:
+            env, payload = get()
+            kind = env[0]
+            if not ok or self.status != "running":
+                if kind == _STOP:
+                    self._refuse(env)
+                    return
+                self._refuse(env)
+                continue
+            if kind == M.CALL:
+                self._call_sync(env, payload)
+            elif kind == _STOP:
+                self._stop(env)
+                return
+            elif kind == _SUPERVISE:
+                self._supervise_sync(env[1])
+
+    def _begin(self, env: tuple[Any, ...]) -> Any:
+        prop = self._endpoints.get(env[2])
+        if prop is None:
+            raise AttributeError(f"{type(self.instance).__qualname__} has no endpoint named {env[2]!r}")
+        return prop
+
+    def _call_sync(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        reply, index = env[3], env[4]
+        token = _message_rank.set((index, env[5], env[6]))
+        explicit = False
+        try:
+            prop = self._begin(env)
+            explicit = prop.explicit_response_port
+            args, kwargs = loads(payload)
+            if explicit:
+                port = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
+                prop._fn(self.instance, port, *args, **kwargs)
+                return
+            result = prop._fn(self.instance, *args, **kwargs)
+        except Exception as exc:
+            self._handle_error(exc, reply, index, explicit)
+            return
+        except BaseException as exc:
+            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}")
+            if reply is not None:
+                self.runtime.reply(reply, index, M.SUPERVISION, dumps(self.dead_text()))
+            return
+        finally:
+            _message_rank.reset(token)
+        if reply is not None:
+            self._reply_value(reply, index, result)
+
+    def _reply_value(self, reply: tuple[str, int], index: int, result: Any) -> None:
+        try:
+            payload = dumps(result)
+        except TypeError as exc:
+            self.runtime.reply(reply, index, M.ERROR, _error_payload(TypeError(f"endpoint result could not be pickled: {exc}")))
+            return
+        self.runtime.reply(reply, index, M.OK, payload)
+
+    def _handle_error(self, exc: BaseException, reply: Any, index: int, explicit: bool) -> None:
+        if reply is not None and not explicit:
+            self.runtime.reply(reply, index, M.ERROR, _error_payload(exc))
+            return
+        # No one to tell: like an Erlang process, the actor dies and its owner hears.
+        self._fail(f"actor explicitly aborted due to: {''.join(traceback.format_exception(exc))}")
+        if explicit and reply is not None:
+            self.runtime.reply(reply, index, M.SUPERVISION, dumps(self.dead_text()))
+
+    def _supervise_sync(self, failure: MeshFailure) -> None:
+        try:
+            handled = _overrides(type(self.instance), "__supervise__") and self.instance.__supervise__(failure)
+        except Exception as exc:
+            self._fail(f"__supervise__ raised while handling {failure!r}: {''.join(traceback.format_exception(exc))}")
+            return
+        if not handled:
+            self._fail(f"unhandled failure of an owned mesh: {failure.report()}")
+
+    def _stop(self, env: tuple[Any, ...]) -> None:
+        failure = env[2]
+        if failure is not None:
+            self._fail(str(failure))
+            return
+        self._cleanup(None)
+        self.status = "stopped"
+        if env[1] is not None:
+            self.runtime.reply(env[1], 0, M.OK, dumps(None))
+
+    def _cleanup(self, exc: BaseException | None) -> None:
+        if self.instance is None or not _overrides(type(self.instance), "__cleanup__"):
+            return
+        try:
+            self.instance.__cleanup__(exc)
+        except Exception:
+            log.exception("__cleanup__ of %s raised", self.display)
+
+    def _fail(self, cause: str, run_cleanup: bool = True) -> None:
+        if self.status in ("failed", "stopped"):
+            return
+        self.status = "failed"
+        self.cause = cause.rstrip()
+        if run_cleanup and not self.is_async:
+            self._cleanup(RuntimeError(self.cause))
+        owner = self.owner
+        if owner is not None:
+            self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display))
+
+    # -- async actors -------------------------------------------------------------------
+    def _run_async(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._dispatch_async())
+        finally:
+            self._loop.close()
+
+    async def _dispatch_async(self) -> None:
+        self._wake_event = asyncio.Event()
+        ok = self._enter()
+        dq = self._deque
+        while True:
+            if not dq:
+                self._idle = True
+                if not dq:
+                    self._wake_event.clear()
+                    await self._wake_event.wait()
+                self._idle = False
+                continue
+            env, payload = dq.popleft()
+            kind = env[0]
+            if not ok or self.status != "running":
+                self._refuse(env)
+                if kind == _STOP:
+                    return
+                continue
+            if kind == M.CALL:
+                await self._call_async(env, payload)
+            elif kind == _STOP:
+                await self._stop_async(env)
+                return
+            elif kind == _SUPERVISE:
+                await self._supervise_async(env[1])
+
+    async def _call_async(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        reply, index = env[3], env[4]
+        try:
+            prop = self._begin(env)
+        except Exception as exc:
+            self._handle_error(exc, reply, index, False)
+            return
+        if prop.concurrent:
+            task = asyncio.ensure_future(self._run_endpoint(prop, env, payload))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            await asyncio.sleep(0)  # let the body start before the next message (start order)
+            return
+        await self._run_endpoint(prop, env, payload)
+
+    async def _run_endpoint(self, prop: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        reply, index = env[3], env[4]
+        token = _message_rank.set((index, env[5], env[6]))
+        explicit = prop.explicit_response_port
+        try:
+            args, kwargs = loads(payload)
+            if explicit:
+                port = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
+                await prop._fn(self.instance, port, *args, **kwargs)
+                return
+            result = await prop._fn(self.instance, *args, **kwargs)
+        except Exception as exc:
+            self._handle_error(exc, reply, index, explicit)
+            return
+        except asyncio.CancelledError:
+            if reply is not None and not explicit:
+                self.runtime.reply(reply, index, M.SUPERVISION, dumps(f"The actor {self.display} stopped before the call finished"))
+            raise
+        except BaseException as exc:
+            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}")
+            if reply is not None:
+                self.runtime.reply(reply, index, M.SUPERVISION, dumps(self.dead_text()))
+            return
+        finally:
+            _message_rank.reset(token)
+        if reply is not None:
+            self._reply_value(reply, index, result)
+
+    async def _supervise_async(self, failure: MeshFailure) -> None:
+        try:
+            handled = False
+            if _overrides(type(self.instance), "__supervise__"):
+                handled = self.instance.__supervise__(failure)
+                if inspect.isawaitable(handled):
+                    handled = await handled
+        except Exception as exc:
+            self._fail(f"__supervise__ raised while handling {failure!r}: {''.join(traceback.format_exception(exc))}")
+            return
+        if not handled:
+            self._fail(f"unhandled failure of an owned mesh: {failure.report()}")
+
+    async def _stop_async(self, env: tuple[Any, ...]) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        failure = env[2]
+        exc = RuntimeError(str(failure)) if failure is not None else None
+        if self.instance is not None and _overrides(type(self.instance), "__cleanup__"):
+            try:
+                result = self.instance.__cleanup__(exc)
+                if inspect.isawaitable(result):
+                    await asyncio.wait_for(result, self.runtime.config.cleanup_timeout)
+            except Exception:
+                log.exception("__cleanup__ of %s raised", self.display)
+        if failure is not None:
+            self._fail(str(failure), run_cleanup=False)
+            return
+        self.status = "stopped"
+        if env[1] is not None:
+            self.runtime.reply(env[1], 0, M.OK, dumps(None))
+
+
+class _DropPort:
+    """The port given to explicit-port endpoints called without a reply (broadcast)."""
+
+    def send(self, obj: Any) -> None:
+        pass
+
+    def exception(self, exc: BaseException) -> None:
+        pass
+
+
+def install(runtime: Any) -> None:
+    """Teach a runtime to create cells on SPAWN."""
+
+    def on_spawn(env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        name = env[1]
+        if name in runtime.actors:
+            runtime.reply(env[6], env[2], M.SUPERVISION, dumps(f"an actor named {name!r} already exists on {runtime.address}"))
+            return
+        runtime.actors[name] = Cell(runtime, env, payload)
+
+    runtime.on_spawn = on_spawn

@@ -1,0 +1,92 @@
+"""Which runtime and actor the current code runs in.
+
+The controller's runtime starts lazily on first use (``context()``, a spawn, a
+channel): a root client actor named ``client`` in this process, an ``atexit``
+hook that stops every child proc. In a worker the runtime is set by the worker
+entry point before any actor runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from ._actor import Context, Instance, _context
+from ._proc import ProcRuntime
+
+__all__ = ["current_runtime", "set_runtime", "context", "shutdown_context", "current_actor_name"]
+
+_runtime: ProcRuntime | None = None
+_client_context: Context | None = None
+_lock = threading.Lock()
+
+
+def _install(rt: ProcRuntime) -> None:
+    from . import _cell, _hooks, _supervision
+
+    _cell.install(rt)
+    _supervision.install(rt)
+    _hooks.on_runtime(rt)
+
+
+def set_runtime(rt: ProcRuntime) -> None:
+    """Make ``rt`` this process's runtime (worker entry point)."""
+    global _runtime, _client_context
+    _install(rt)
+    _runtime = rt
+    _client_context = Context(Instance(runtime=rt, name=rt.name, display=f"<{rt.name}>", rank=None, class_name="proc"))
+
+
+def current_runtime() -> ProcRuntime:
+    """This process's runtime, starting the controller's on first use."""
+    rt = _runtime
+    if rt is not None:
+        return rt
+    with _lock:
+        if _runtime is None:
+            rt = ProcRuntime(name="client")
+            set_runtime(rt)
+            _client_context.actor_instance._display = "<root>"  # type: ignore[union-attr]
+            atexit.register(_shutdown_at_exit)
+    assert _runtime is not None
+    return _runtime
+
+
+def context() -> Context:
+    """The current actor's context; on the controller, the root client's."""
+    ctx = _context.get()
+    if ctx is not None:
+        return ctx
+    current_runtime()
+    assert _client_context is not None
+    return _client_context
+
+
+def current_actor_name() -> str:
+    """The current actor's id as a string."""
+    return context().actor_instance.actor_id
+
+
+def _shutdown_at_exit() -> None:
+    shutdown_context()
+
+
+def shutdown_context() -> Any:
+    """Stop every proc this process spawned and close its runtime (idempotent).
+
+    Returns a completed Future, for Monarch compatibility.
+    """
+    global _runtime, _client_context
+    from ._future import Future
+    from ._spawn import kill_all_children
+
+    with _lock:
+        rt, _runtime = _runtime, None
+        _client_context = None
+    if rt is not None:
+        for cell in list(rt.actors.values()):
+            cell.stop(None)
+        kill_all_children(rt)
+        rt.close()
+    return Future._completed(None)

@@ -1,0 +1,206 @@
+"""Futures that only the runtime makes, waitable from threads and from asyncio.
+
+A :class:`Future` is completed once, from any thread (usually the runtime's
+loop thread), with a value, an exception, or a *thunk* that computes the value
+on first use (replies are unpickled lazily, in the waiter's thread, not on the
+loop thread). Waiting uses a bare ``threading.Lock`` held until completion: it
+is the cheapest cross-thread wake-up CPython has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import warnings
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Future"]
+
+R = TypeVar("R")
+
+_PENDING, _VALUE, _ERROR, _THUNK = 0, 1, 2, 3
+_creating = threading.local()
+
+
+class Future(Generic[R]):
+    """The result of a remote operation.
+
+    ``get(timeout=None)`` blocks the calling thread; ``await fut`` works inside a
+    running asyncio loop. A timeout raises ``TimeoutError`` and does not cancel:
+    a later ``get()`` still sees the result. Results are cached, so many waiters
+    and repeated waits are fine. Only the runtime creates futures.
+
+    Example::
+
+        fut = counter.value.call_one()
+        print(fut.get(timeout=5))
+    """
+
+    __slots__ = ("_state", "_result", "_lock", "_callbacks", "_guard", "__weakref__")
+
+    def __init__(self) -> None:
+        if not getattr(_creating, "ok", False):
+            raise TypeError("Future cannot be constructed directly; it is returned by endpoint adverbs")
+        self._state = _PENDING
+        self._result: Any = None
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._callbacks: list[Callable[[Future[R]], None]] | None = None
+        self._guard = threading.Lock()
+
+    @classmethod
+    def _create(cls) -> Future[Any]:
+        _creating.ok = True
+        try:
+            return cls()
+        finally:
+            _creating.ok = False
+
+    @classmethod
+    def _completed(cls, value: Any) -> Future[Any]:
+        fut = cls._create()
+        fut._set(_VALUE, value)
+        return fut
+
+    @classmethod
+    def _failed(cls, exc: BaseException) -> Future[Any]:
+        fut = cls._create()
+        fut._set(_ERROR, exc)
+        return fut
+
+    # -- completion (runtime side, any thread) -------------------------------------------
+    def _set(self, state: int, result: Any) -> bool:
+        with self._guard:
+            if self._state != _PENDING:
+                return False
+            self._result = result
+            self._state = state
+            callbacks, self._callbacks = self._callbacks, None
+        self._lock.release()
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
+        return True
+
+    def _set_result(self, value: Any) -> bool:
+        return self._set(_VALUE, value)
+
+    def _set_exception(self, exc: BaseException) -> bool:
+        return self._set(_ERROR, exc)
+
+    def _set_thunk(self, thunk: Callable[[], Any]) -> bool:
+        """Complete with a function that yields the value (or raises) on first use."""
+        return self._set(_THUNK, thunk)
+
+    def _add_done_callback(self, cb: Callable[[Future[R]], None]) -> None:
+        with self._guard:
+            if self._state == _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    def done(self) -> bool:
+        """True once a value or an error is available."""
+        return self._state != _PENDING
+
+    # -- observing ------------------------------------------------------------------------
+    def _outcome(self) -> R:
+        state = self._state
+        if state == _THUNK:
+            with self._guard:
+                if self._state == _THUNK:
+                    try:
+                        self._result = self._result()
+                        self._state = _VALUE
+                    except BaseException as exc:  # the thunk's error is the call's error
+                        self._result = exc
+                        self._state = _ERROR
+                state = self._state
+        if state == _ERROR:
+            raise self._result
+        return self._result
+
+    def get(self, timeout: float | None = None) -> R:
+        """Block until done; return the value or raise the error.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (the operation goes on).
+        """
+        if timeout is not None:
+            if not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0 or math.isinf(timeout):
+                raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        if self._state == _PENDING:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                warnings.warn(
+                    "Future.get() was called from within an active event loop; this blocks the loop. "
+                    "Use `await fut` instead.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(f"result not available within {timeout}s (the operation was not cancelled)")
+            self._lock.release()
+        return self._outcome()
+
+    def result(self, timeout: float | None = None) -> R:
+        """Alias of :meth:`get`."""
+        return self.get(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error the operation ended with, or None if it succeeded."""
+        try:
+            self.get(timeout)
+        except TimeoutError:
+            if not self.done():
+                raise
+            return self._result if self._state == _ERROR else None
+        except BaseException as exc:
+            return exc
+        return None
+
+    def as_asyncio(self) -> asyncio.Future[R]:
+        """An asyncio future on the running loop that completes with this one."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError as exc:
+            raise RuntimeError("as_asyncio() needs a running asyncio event loop") from exc
+        afut: asyncio.Future[R] = loop.create_future()
+
+        def transfer(_: Future[R]) -> None:
+            def settle() -> None:
+                if afut.done():
+                    return
+                try:
+                    afut.set_result(self._outcome())
+                except BaseException as exc:
+                    afut.set_exception(exc)
+
+            try:
+                if loop.is_closed():
+                    return
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:
+                pass
+
+        self._add_done_callback(transfer)
+        return afut
+
+    def __await__(self) -> Generator[Any, None, R]:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise ValueError("await on a Future needs a running asyncio event loop; use .get() instead") from None
+        if self.done():
+            return self._outcome()
+        return (yield from self.as_asyncio().__await__())
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _VALUE: "done", _THUNK: "done", _ERROR: "failed"}[self._state]
+        return f"<Future {state}>"

@@ -1,0 +1,34 @@
+"""Envelope kinds and layouts. Envelopes are small tuples of builtins, pickled plainly;
+user payloads travel as separate segments after them (see transport._frames).
+
+Layouts (index 0 is the kind):
+
+- CALL        (kind, actor, endpoint, reply, msg_index, msg_labels, msg_sizes, sender)
+- REPLY       (kind, port_id, index, status, sender)       status: OK | ERROR | SUPERVISION
+- SPAWN       (kind, actor, rank, spawn_labels, spawn_sizes, owner, reply, mesh_name, display, is_async)
+- STOP_ACTOR  (kind, actor, reply)
+- STOP_PROC   (kind, reply)
+- HELLO       (kind, address, pid, error)
+- FAILURE     (kind, owner_actor, mesh_name, rank, cause, kind_of_failure)
+- SINGLETON   (kind, name, reply)                          get_or_spawn_controller lookup at the root
+
+``reply`` is a port reference ``(address, port_id)`` or None. ``owner`` is an actor
+reference ``(address, actor_name)``.
+"""
+
+CALL = 0
+REPLY = 1
+SPAWN = 2
+STOP_ACTOR = 3
+STOP_PROC = 4
+HELLO = 5
+FAILURE = 6
+SINGLETON = 7
+
+OK = 0
+ERROR = 1
+SUPERVISION = 2
+
+#: Payloads with out-of-band data above this wait until the kernel has the bytes
+#: before the sender goes on, so the sender may change its tensor afterwards.
+BIG_PAYLOAD_BYTES = 1 << 20

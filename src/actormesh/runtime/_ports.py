@@ -1,0 +1,208 @@
+"""Reply ports on the caller's side: what turns incoming replies into futures.
+
+Handlers run on the loop thread (``deliver``) and when a peer is lost
+(``peer_lost``). Each knows which peer addresses it still waits on, so a dead
+peer fails exactly the replies it owed, at once.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SupervisionError, make_actor_error
+from ..transport import Segment, loads
+from ._future import Future
+from ._messages import ERROR, OK, SUPERVISION
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
+
+__all__ = ["decode_reply", "GatherPort", "StreamPort", "QueuePort"]
+
+
+def decode_reply(status: int, payload: Sequence[Segment], what: str) -> Any:
+    """Turn a reply payload into its value, or raise what it carries."""
+    if status == OK:
+        return loads(payload)
+    if status == ERROR:
+        exc, formatted = loads(payload)
+        raise make_actor_error(exc, f"Actor call {what} failed.", formatted)
+    raise SupervisionError(f"Endpoint call {what}() failed, {loads(payload)}", endpoint=what)
+
+
+class _PortBase:
+    """Registration bookkeeping shared by the handlers below."""
+
+    def __init__(self, runtime: ProcRuntime, what: str) -> None:
+        self.runtime = runtime
+        self.what = what
+        self.port_id = runtime.register_port(self)
+
+    def close(self) -> None:
+        self.runtime.unregister_port(self.port_id)
+
+
+class GatherPort(_PortBase):
+    """Collects one reply per rank; completes a Future with ``build(values)``.
+
+    ``call()`` semantics: waits for every rank, then raises the first error in
+    rank order, else returns ``build(list_of_values)``. ``addresses[i]`` is the
+    peer that owes reply ``i``.
+    """
+
+    def __init__(self, runtime: ProcRuntime, what: str, addresses: Sequence[str], build: Callable[[list[Any]], Any], describe: Callable[[int], str] | None = None) -> None:
+        super().__init__(runtime, what)
+        self._describe = describe
+        n = len(addresses)
+        self.future: Future[Any] = Future._create()
+        self._replies: list[Any] = [None] * n
+        self._missing = n
+        self._addresses = list(addresses)
+        self._build = build
+        self._lock = threading.Lock()
+        for addr in set(addresses):
+            runtime.await_peer(addr, self)
+        if n == 0:
+            self._finish()
+
+    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        index, status = env[2], env[3]
+        self._store(index, (status, payload))
+
+    def _store(self, index: int, item: Any) -> None:
+        with self._lock:
+            if self._replies[index] is not None:
+                return  # duplicate (e.g. failure raced a late reply): first one wins
+            self._replies[index] = item
+            self._missing -= 1
+            done = self._missing == 0
+        if done:
+            self._finish()
+
+    def peer_lost(self, address: str, reason: str) -> None:
+        for i, addr in enumerate(self._addresses):
+            if addr == address:
+                self._store(i, (SUPERVISION, _dead_text(self._describe, i, reason)))
+
+    def _finish(self) -> None:
+        self.close()
+        for addr in set(self._addresses):
+            self.runtime.unawait_peer(addr, self)
+        replies, what, build = self._replies, self.what, self._build
+
+        def thunk() -> Any:
+            values = []
+            for status, payload in replies:
+                if status == SUPERVISION and isinstance(payload, str):
+                    raise SupervisionError(f"Endpoint call {what}() failed, {payload}", endpoint=what)
+                values.append(decode_reply(status, payload, what))
+            return build(values)
+
+        self.future._set_thunk(thunk)
+
+
+class StreamPort(_PortBase):
+    """N futures completed in arrival order (``stream()``), or one (``call_one``/``choose``)."""
+
+    def __init__(self, runtime: ProcRuntime, what: str, addresses: Sequence[str], describe: Callable[[int], str] | None = None) -> None:
+        super().__init__(runtime, what)
+        self._describe = describe
+        self.futures: list[Future[Any]] = [Future._create() for _ in addresses]
+        self._next = 0
+        self._addresses = list(addresses)
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
+        for addr in set(addresses):
+            runtime.await_peer(addr, self)
+
+    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        self._complete(env[2], env[3], payload)
+
+    def _complete(self, index: int, status: int, payload: Any) -> None:
+        with self._lock:
+            if index in self._seen or self._next >= len(self.futures):
+                return
+            self._seen.add(index)
+            fut = self.futures[self._next]
+            self._next += 1
+            done = self._next == len(self.futures)
+        what = self.what
+        if status == SUPERVISION and isinstance(payload, str):
+            fut._set_exception(SupervisionError(f"Endpoint call {what}() failed, {payload}", endpoint=what))
+        else:
+            fut._set_thunk(lambda: decode_reply(status, payload, what))
+        if done:
+            self.close()
+            for addr in set(self._addresses):
+                self.runtime.unawait_peer(addr, self)
+
+    def peer_lost(self, address: str, reason: str) -> None:
+        for i, addr in enumerate(self._addresses):
+            if addr == address:
+                self._complete(i, SUPERVISION, _dead_text(self._describe, i, reason))
+
+
+class QueuePort(_PortBase):
+    """An open port: every message is queued for ``recv()`` (Channel.open)."""
+
+    def __init__(self, runtime: ProcRuntime, what: str = "port", once: bool = False) -> None:
+        super().__init__(runtime, what)
+        self._items: deque[tuple[int, Any, Any]] = deque()
+        self._waiters: deque[Future[Any]] = deque()
+        self._lock = threading.Lock()
+        self._once = once
+
+    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        item = (env[3], payload, env[2])
+        with self._lock:
+            if self._waiters:
+                fut = self._waiters.popleft()
+            else:
+                self._items.append(item)
+                fut = None
+        if fut is not None:
+            self._settle(fut, item)
+        if self._once:
+            self.close()
+
+    def _settle(self, fut: Future[Any], item: tuple[int, Any, Any]) -> None:
+        status, payload, rank = item
+        if status == ERROR:
+            # Port.exception(e): the receiver sees ``e`` itself, not an ActorError.
+            fut._set_thunk(lambda: _raise(loads(payload)[0]))
+        else:
+            fut._set_thunk(lambda: (rank, loads(payload)) if self.ranked else loads(payload))
+
+    ranked = False
+
+    def recv(self) -> Future[Any]:
+        fut: Future[Any] = Future._create()
+        with self._lock:
+            item = self._items.popleft() if self._items else None
+            if item is None:
+                self._waiters.append(fut)
+        if item is not None:
+            self._settle(fut, item)
+        return fut
+
+    def peer_lost(self, address: str, reason: str) -> None:
+        pass
+
+
+def _dead_text(describe: Callable[[int], str] | None, index: int, reason: str) -> str:
+    if describe is None:
+        return reason
+    return f"The actor {describe(index)} and all its descendants have failed:\n  {reason}"
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
+def pick_random(n: int) -> int:
+    """Uniform choice of a rank for ``choose()``."""
+    return random.randrange(n)

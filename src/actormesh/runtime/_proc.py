@@ -1,0 +1,343 @@
+"""The per-process runtime: one event loop thread that owns the sockets, routes
+messages to local actors and reply ports, and notices peers that are gone.
+
+User code never runs on this loop: actors run on their own threads
+(see ``_cell.py``). Handlers here are short and non-blocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import Config, get_config
+from ..errors import ProtocolError, TransportError
+from ..transport import Connection, Listener, Segment, connect, dumps, listen, new_secret
+from . import _messages as M
+from ._loop import LoopThread
+from ._routes import LocalRoute, Route
+
+log = logging.getLogger("actormesh.runtime")
+
+__all__ = ["ProcRuntime"]
+
+Envelope = tuple[Any, ...]
+_job_dirs: list[str] = []
+
+
+class ProcRuntime:
+    """Everything one OS process needs to take part in a job.
+
+    ``address`` is where peers reach this process. ``root_address`` is the
+    controller's (for process-wide singletons); ``parent_address`` the process
+    that spawned this one (None at the controller).
+    """
+
+    def __init__(
+        self,
+        *,
+        secret: bytes | None = None,
+        name: str = "client",
+        root_address: str | None = None,
+        parent_address: str | None = None,
+        job_dir: str | None = None,
+        transport: str | None = None,
+        listen_address: str | None = None,
+    ) -> None:
+        self.config: Config = get_config()
+        self.secret = secret or new_secret()
+        self.name = name
+        self.pid = os.getpid()
+        self.transport = transport or self.config.default_transport
+        if job_dir is None:
+            job_dir = tempfile.mkdtemp(prefix="actormesh-")
+            os.chmod(job_dir, 0o700)
+            _job_dirs.append(job_dir)
+        self.job_dir = job_dir
+        self.loop_thread = LoopThread(f"actormesh-{name}-io")
+        self.loop = self.loop_thread.loop
+        self.parent_address = parent_address
+        self.actors: dict[str, Any] = {}  # name -> _cell.Cell
+        self.ports: dict[int, Any] = {}
+        self._port_ids = itertools.count(1)
+        self._routes: dict[str, Route | LocalRoute] = {}
+        self._routes_lock = threading.Lock()
+        self._waiting_on: dict[str, set[Any]] = {}
+        self._early: dict[str, list[tuple[Envelope, Sequence[Segment]]]] = {}
+        self.closed = False
+        #: Hooks installed by the cell/spawn modules (keeps this module free of them).
+        self.on_spawn: Callable[[Envelope, Sequence[Segment]], None] | None = None
+        self.on_failure: Callable[[Envelope], None] | None = None
+        self.on_stop_proc: Callable[[Envelope], None] | None = None
+        self.on_singleton: Callable[[Envelope, Sequence[Segment]], None] | None = None
+        self.on_peer_lost: list[Callable[[str, str], None]] = []
+        self.on_hello: Callable[[Connection, Envelope], bool] | None = None
+        #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
+        self.hello_error: str | None = None
+        self._listen_address = listen_address
+        self._listener: Listener = self.loop_thread.run(self._listen(), timeout=30)
+        self.address = self._listener.address
+        self.root_address = root_address or self.address
+        self._routes[self.address] = LocalRoute(self, self.address, self._dispatch)
+
+    def __repr__(self) -> str:
+        return f"<ProcRuntime {self.name} at {self.address}>"
+
+    async def _listen(self) -> Listener:
+        if self._listen_address is not None:
+            addr = self._listen_address
+        elif self.transport == "unix":
+            addr = f"unix:{os.path.join(self.job_dir, f'{self.name}-{os.getpid()}.sock')}"
+        else:
+            addr = f"tcp:{self.config.bind_host}:0"
+        return await listen(
+            addr,
+            self.secret,
+            on_connection=self._on_connection,
+            on_frame=self._on_frame,
+            on_close=self._on_close,
+            max_frame_bytes=self.config.codec_max_frame_length,
+            handshake_timeout_s=self.config.handshake_timeout,
+        )
+
+    def in_loop(self) -> bool:
+        """Whether the caller runs on the loop thread."""
+        return threading.get_ident() == self.loop_thread.ident
+
+    # -- routes ---------------------------------------------------------------------------
+    def route(self, address: str) -> Route | LocalRoute:
+        """The route to ``address`` (created on first use)."""
+        r = self._routes.get(address)
+        if r is None:
+            with self._routes_lock:
+                r = self._routes.get(address)
+                if r is None:
+                    r = Route(self, address)
+                    self._routes[address] = r
+        return r
+
+    def expect_child(self, address: str) -> Route:
+        """Register a child proc's address: it dials us, we never dial it."""
+        with self._routes_lock:
+            r = Route(self, address, child=True)
+            self._routes[address] = r
+        return r
+
+    def send(self, address: str, env: Envelope, payload: Sequence[Segment] = ()) -> None:
+        """Send an envelope (and payload segments) to a process. Any thread."""
+        r = self._routes.get(address)
+        if r is None:
+            r = self.route(address)
+        r.send(env, payload)
+
+    def start_dial(self, route: Route) -> None:
+        """Begin connecting a route (any thread)."""
+
+        def go() -> None:
+            asyncio.ensure_future(self._dial(route))
+
+        if self.in_loop():
+            go()
+        else:
+            self.loop.call_soon_threadsafe(go)
+
+    async def _dial(self, route: Route) -> None:
+        try:
+            conn = await connect(
+                route.address,
+                self.secret,
+                on_frame=self._on_frame,
+                on_close=self._on_close,
+                max_frame_bytes=self.config.codec_max_frame_length,
+                handshake_timeout_s=self.config.handshake_timeout,
+                timeout_s=self.config.connect_timeout,
+            )
+        except (TransportError, OSError) as exc:
+            self.peer_gone(route.address, f"the process at {route.address} is unreachable: {exc}")
+            return
+        conn.tag = route.address
+        conn.send([pickle.dumps((M.HELLO, self.address, self.pid, self.hello_error), 5)])
+        route.publish(conn)
+
+    def _on_connection(self, conn: Connection) -> None:
+        pass  # an accepted peer identifies itself with HELLO as its first frame
+
+    def _on_close(self, conn: Connection, exc: BaseException | None) -> None:
+        address = conn.tag
+        if address is None or self.closed:
+            return
+        r = self._routes.get(address)
+        if isinstance(r, Route) and r.conn is conn:
+            if r.child:
+                # The spawner learns the exit status first and reports it (see _spawn).
+                r.conn = None
+                r.dead = r.dead or "connection lost"
+                return
+            self.peer_gone(address, f"lost connection to the process at {address}")
+
+    def peer_gone(self, address: str, reason: str, *, expected: bool = False) -> None:
+        """A peer died or became unreachable: fail everything it owed us. Loop thread.
+
+        ``expected`` (the proc was stopped on purpose) skips supervision hooks.
+        """
+        r = self._routes.get(address)
+        pending = r.fail(reason) if isinstance(r, Route) else []
+        for env, _ in pending:
+            self.undeliverable(env, address, reason)
+        for handler in list(self._waiting_on.pop(address, ())):
+            handler.peer_lost(address, reason)
+        for hook in [] if expected else list(self.on_peer_lost):
+            try:
+                hook(address, reason)
+            except Exception:
+                log.exception("peer-lost hook failed")
+
+    # -- reply ports ------------------------------------------------------------------------
+    def register_port(self, handler: Any) -> int:
+        """Give a reply handler a port id on this process."""
+        pid = next(self._port_ids)
+        self.ports[pid] = handler
+        return pid
+
+    def unregister_port(self, port_id: int) -> None:
+        """Forget a port; late replies to it are dropped."""
+        self.ports.pop(port_id, None)
+
+    def await_peer(self, address: str, handler: Any) -> None:
+        """``handler.peer_lost`` runs if ``address`` dies before ``unawait_peer``."""
+        r = self._routes.get(address)
+        if r is not None and r.dead is not None:
+            self.loop.call_soon_threadsafe(handler.peer_lost, address, r.dead)
+            return
+        s = self._waiting_on.get(address)
+        if s is None:
+            s = self._waiting_on.setdefault(address, set())
+        s.add(handler)
+
+    def unawait_peer(self, address: str, handler: Any) -> None:
+        s = self._waiting_on.get(address)
+        if s is not None:
+            s.discard(handler)
+
+    def reply(self, port: tuple[str, int] | None, index: int, status: int, payload: Sequence[Segment]) -> None:
+        """Send a reply to a port reference (no-op for None)."""
+        if port is not None:
+            self.send(port[0], (M.REPLY, port[1], index, status, self.address), payload)
+
+    def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
+        """A message could not reach ``address``: fail the reply it asked for."""
+        kind = env[0]
+        port = None
+        index = 0
+        if kind == M.CALL:
+            port, index = env[3], env[4]
+        elif kind in (M.SPAWN,):
+            port = env[6]
+        elif kind in (M.STOP_ACTOR, M.STOP_PROC, M.SINGLETON):
+            port = env[-1]
+        if port is not None and port[0] != address:
+            self.reply(port, index, M.SUPERVISION, dumps(reason))
+
+    # -- receiving --------------------------------------------------------------------------
+    def _on_frame(self, conn: Connection, segments: list[Segment]) -> None:
+        try:
+            env = pickle.loads(segments[0])
+        except Exception as exc:
+            log.warning("closing connection from %s: bad envelope (%s)", conn.peer_name, exc)
+            conn._abort(ProtocolError("bad envelope"))
+            return
+        if conn.tag is None:
+            if type(env) is not tuple or not env or env[0] != M.HELLO:
+                log.warning("closing connection from %s: first frame was not HELLO", conn.peer_name)
+                conn._abort(ProtocolError("no HELLO"))
+                return
+            conn.tag = env[1]
+            if self.on_hello is not None and self.on_hello(conn, env):
+                return
+            r = self.route(env[1])
+            if isinstance(r, Route):
+                r.publish(conn)  # no-op if we already dialed them ourselves
+            return
+        self._dispatch(env, segments[1:], conn)
+
+    def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
+        kind = env[0]
+        if kind == M.CALL:
+            cell = self.actors.get(env[1])
+            if cell is not None:
+                cell.post(env, payload)
+            else:
+                self._hold_early(env, payload)
+        elif kind == M.REPLY:
+            handler = self.ports.get(env[1])
+            if handler is not None:
+                handler.deliver(env, payload)
+        elif kind == M.SPAWN:
+            if self.on_spawn is not None:
+                self.on_spawn(env, payload)
+            for early_env, early_payload in self._early.pop(env[1], ()):
+                self._dispatch(early_env, early_payload, None)
+        elif kind == M.STOP_ACTOR:
+            cell = self.actors.get(env[1])
+            if cell is not None:
+                cell.stop(env[2])
+            else:
+                self.reply(env[2], 0, M.OK, dumps(None))
+        elif kind == M.STOP_PROC:
+            if self.on_stop_proc is not None:
+                self.on_stop_proc(env)
+        elif kind == M.FAILURE:
+            if self.on_failure is not None:
+                self.on_failure(env)
+        elif kind == M.SINGLETON:
+            if self.on_singleton is not None:
+                self.on_singleton(env, payload)
+        elif kind == M.HELLO:
+            pass
+        else:
+            log.warning("dropping message of unknown kind %r", kind)
+
+    def _hold_early(self, env: Envelope, payload: Sequence[Segment]) -> None:
+        """A call for an actor whose spawn message has not arrived yet (it came by
+        another connection). Hold it until the spawn arrives or a deadline passes."""
+        name = env[1]
+        held = self._early.setdefault(name, [])
+        held.append((env, payload))
+        if len(held) == 1:
+
+            def expire() -> None:
+                for e, _ in self._early.pop(name, ()):
+                    self.undeliverable(e, "", f"no actor named {name!r} on {self.address}")
+
+            self.loop.call_later(self.config.message_delivery_timeout, expire)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close listener and connections and stop the loop (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+
+        def shut() -> None:
+            self._listener.close()
+            for r in list(self._routes.values()):
+                if isinstance(r, Route) and r.conn is not None:
+                    r.conn.close()
+
+        try:
+            self.loop_thread.run(_call(shut), timeout=2)
+        except Exception:
+            pass
+        self.loop_thread.stop()
+
+
+async def _call(fn: Callable[[], None]) -> None:
+    fn()
+    await asyncio.sleep(0)

@@ -1,0 +1,138 @@
+"""Routes: the one path a process uses to send to one peer address.
+
+Per-sender FIFO depends on this: every message from this process to a peer goes
+through one Route, and a Route uses one connection for its whole life. Until the
+connection is up, messages wait in the route's queue; the queue is flushed into
+the connection before the connection is published for direct use, under the
+route's lock, so nothing overtakes what was queued earlier.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import TransportError
+from ..transport import Connection, Segment
+from ._messages import BIG_PAYLOAD_BYTES
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
+
+__all__ = ["Route", "LocalRoute"]
+
+Envelope = tuple[Any, ...]
+
+
+def _payload_bytes(payload: Sequence[Segment]) -> int:
+    if len(payload) < 2:
+        return 0
+    return sum(memoryview(s).nbytes for s in payload[1:])
+
+
+class Route:
+    """Messages to one remote address, over one connection."""
+
+    __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "child")
+
+    def __init__(self, runtime: ProcRuntime, address: str, *, child: bool = False) -> None:
+        self.address = address
+        self.conn: Connection | None = None
+        self._pending: list[tuple[Envelope, Sequence[Segment]]] = []
+        self._lock = threading.Lock()
+        #: Why this peer is unreachable for good (a SupervisionError-worthy text).
+        self.dead: str | None = None
+        self._runtime = runtime
+        self.connecting = False
+        #: A child proc dials us; we never dial it.
+        self.child = child
+
+    def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:
+        """Send from any thread; fails the message's reply port if the peer is gone."""
+        conn = self.conn
+        if conn is None:
+            with self._lock:
+                conn = self.conn
+                if conn is None:
+                    if self.dead is not None:
+                        reason = self.dead
+                    else:
+                        self._pending.append((env, payload))
+                        if not self.connecting and not self.child:
+                            self.connecting = True
+                            self._runtime.start_dial(self)
+                        return
+            if conn is None:
+                self._runtime.undeliverable(env, self.address, reason)
+                return
+        big = _payload_bytes(payload) >= BIG_PAYLOAD_BYTES
+        try:
+            event = conn.send([pickle.dumps(env, 5), *payload], wait_flushed=big)
+        except TransportError as exc:
+            self._runtime.undeliverable(env, self.address, f"connection lost: {exc}")
+            return
+        if event is not None and not self._runtime.in_loop():
+            # The payload's memory is referenced until the kernel has it.
+            event.wait(self._runtime.config.message_delivery_timeout)
+
+    def publish(self, conn: Connection) -> None:
+        """Make ``conn`` this route's connection (loop thread). First one wins."""
+        with self._lock:
+            if self.conn is not None or self.dead is not None:
+                return
+            pending, self._pending = self._pending, []
+            for env, payload in pending:
+                conn.send([pickle.dumps(env, 5), *payload])
+            self.conn = conn
+            self.connecting = False
+
+    def fail(self, reason: str) -> list[tuple[Envelope, Sequence[Segment]]]:
+        """Mark the peer gone; return what was still queued (to fail its replies)."""
+        with self._lock:
+            if self.dead is None:
+                self.dead = reason
+            self.conn = None
+            pending, self._pending = self._pending, []
+            self.connecting = False
+        return pending
+
+
+class LocalRoute:
+    """Messages to this very process: dispatched on the loop thread, in send order.
+
+    A burst from one thread costs one loop wake-up (same trick as Connection.send).
+    """
+
+    __slots__ = ("address", "_queue", "_scheduled", "_runtime", "dead", "_dispatch")
+
+    def __init__(self, runtime: ProcRuntime, address: str, dispatch: Callable[[Envelope, Sequence[Segment], Any], None]) -> None:
+        self.address = address
+        self._queue: deque[tuple[Envelope, Sequence[Segment]]] = deque()
+        self._scheduled = False
+        self._runtime = runtime
+        self.dead: str | None = None
+        self._dispatch = dispatch
+
+    def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:
+        """Queue for dispatch on the loop thread."""
+        self._queue.append((env, payload))
+        if not self._scheduled:
+            self._scheduled = True
+            if self._runtime.in_loop():
+                self._runtime.loop.call_soon(self._drain)
+            else:
+                try:
+                    self._runtime.loop.call_soon_threadsafe(self._drain)
+                except RuntimeError:
+                    self._scheduled = False
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        q = self._queue
+        dispatch = self._dispatch
+        while q:
+            env, payload = q.popleft()
+            dispatch(env, payload, None)

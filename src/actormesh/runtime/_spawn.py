@@ -1,0 +1,251 @@
+"""Starting, watching and stopping worker processes on this host.
+
+A worker is ``python -m actormesh.runtime.worker``. Its bootstrap (the job
+secret, addresses, settings, an optional bootstrap function) arrives on stdin
+from a pipe, never in argv or the environment. The worker arms
+``PR_SET_PDEATHSIG`` so it dies with its parent; the parent forks from its
+long-lived loop thread, since the signal follows the *thread* that forked.
+
+Exits are watched with a pidfd on the loop (no thread per child). An exit is
+reported with its cause (exit code or signal) to everything waiting on that proc.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..transport import dumps
+from . import _messages as M
+from ._future import Future
+
+log = logging.getLogger("actormesh.spawn")
+
+__all__ = ["ChildProc", "spawn_children", "stop_children", "exit_cause", "kill_all_children"]
+
+
+_SIGNAL_WORDS = {signal.SIGKILL: "Killed", signal.SIGTERM: "Terminated", signal.SIGSEGV: "Segfault", signal.SIGABRT: "Aborted"}
+
+
+def exit_cause(returncode: int) -> str:
+    """Monarch's wording for how a process ended (e.g. ``failed: Killed(sig=9)``)."""
+    if returncode < 0:
+        try:
+            word = _SIGNAL_WORDS.get(signal.Signals(-returncode), signal.Signals(-returncode).name)
+        except ValueError:
+            word = "Signal"
+        return f"the process this actor was running on failed: {word}(sig={-returncode})"
+    if returncode:
+        return f"the process this actor was running on exited with non-zero code {returncode}"
+    return "the process this actor was running on exited"
+
+
+@dataclass
+class ChildProc:
+    """A worker process this process started."""
+
+    name: str
+    address: str
+    popen: subprocess.Popen[bytes] | None = None
+    ready: Future[Any] = field(default_factory=Future._create)
+    exited: Future[Any] = field(default_factory=Future._create)
+    stopping: bool = False
+    returncode: int | None = None
+
+
+def _free_tcp_address(host: str) -> str:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"tcp:{shown}:{port}"
+
+
+def _install_hello(runtime: Any) -> None:
+    if getattr(runtime, "children", None) is not None:
+        return
+    runtime.children = {}
+
+    def on_hello(conn: Any, env: tuple[Any, ...]) -> bool:
+        child = runtime.children.get(env[1])
+        if child is None:
+            return False
+        route = runtime._routes.get(env[1])
+        if env[3] is not None:
+            _kill(child)
+            runtime.peer_gone(child.address, f"the proc's bootstrap function failed: {env[3]}")
+            child.ready._set_exception(RuntimeError(f"bootstrap of proc {child.name} failed:\n{env[3]}"))
+            return True
+        if route is not None:
+            route.publish(conn)
+        child.ready._set_result(True)
+        return True
+
+    runtime.on_hello = on_hello
+
+
+def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[], Any] | None = None, env: dict[str, str] | None = None) -> list[ChildProc]:
+    """Start one worker per name (non-blocking). Messages to them queue until ready."""
+    _install_hello(runtime)
+    from ..config import get_config
+
+    cfg = get_config()
+    children = []
+    for name in names:
+        if runtime.transport == "unix":
+            address = f"unix:{os.path.join(runtime.job_dir, f'{name}-{os.urandom(4).hex()}.sock')}"
+        else:
+            address = _free_tcp_address(cfg.bind_host)
+        child = ChildProc(name=name, address=address)
+        runtime.children[address] = child
+        runtime.expect_child(address)
+        children.append(child)
+    blob_fn = base64.b64encode(b"".join(bytes(s) for s in dumps(bootstrap))).decode() if bootstrap is not None else None
+    child_env = dict(os.environ)
+    child_env.update(cfg.to_env())
+    child_env["ACTORMESH_TRANSPORT_IN_USE"] = runtime.transport
+    if env:
+        child_env.update(env)
+
+    def start() -> None:
+        for child in children:
+            spec = {
+                "secret": runtime.secret.hex(),
+                "name": child.name,
+                "address": child.address,
+                "parent": runtime.address,
+                "root": runtime.root_address,
+                "job_dir": runtime.job_dir,
+                "transport": runtime.transport,
+                "sys_path": [p for p in sys.path if p],
+                "cwd": os.getcwd(),
+                "parent_pid": os.getpid(),
+                "bootstrap": blob_fn,
+            }
+            try:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", "actormesh.runtime.worker"],
+                    stdin=subprocess.PIPE,
+                    env=child_env,
+                    close_fds=True,
+                )
+                assert popen.stdin is not None
+                popen.stdin.write(json.dumps(spec).encode())
+                popen.stdin.close()
+            except OSError as exc:
+                runtime.peer_gone(child.address, f"could not start proc {child.name}: {exc}")
+                child.ready._set_exception(RuntimeError(f"could not start proc {child.name}: {exc}"))
+                child.exited._set_result(None)
+                continue
+            child.popen = popen
+            _watch(runtime, child)
+            runtime.loop.call_later(cfg.proc_spawn_timeout, _check_started, runtime, child, cfg.proc_spawn_timeout)
+
+    if runtime.in_loop():
+        start()
+    else:
+        runtime.loop.call_soon_threadsafe(start)
+    return children
+
+
+def _check_started(runtime: Any, child: ChildProc, timeout: float) -> None:
+    if not child.ready.done() and child.returncode is None:
+        _kill(child)
+        reason = f"proc {child.name} did not report ready within {timeout:.0f}s (proc_spawn_timeout)"
+        child.ready._set_exception(TimeoutError(reason))
+        runtime.peer_gone(child.address, reason)
+
+
+def _watch(runtime: Any, child: ChildProc) -> None:
+    popen = child.popen
+    assert popen is not None
+    try:
+        fd = os.pidfd_open(popen.pid)
+    except (AttributeError, OSError):
+        threading.Thread(target=lambda: (popen.wait(), runtime.loop.call_soon_threadsafe(_exited, runtime, child, None)), daemon=True).start()
+        return
+
+    def readable() -> None:
+        runtime.loop.remove_reader(fd)
+        os.close(fd)
+        _exited(runtime, child, None)
+
+    runtime.loop.add_reader(fd, readable)
+
+
+def _exited(runtime: Any, child: ChildProc, _: Any) -> None:
+    assert child.popen is not None
+    code = child.popen.wait()
+    child.returncode = code
+    if not child.ready.done():
+        child.ready._set_exception(RuntimeError(f"proc {child.name} exited before it was ready ({exit_cause(code)})"))
+    reason = "the proc was stopped" if child.stopping else exit_cause(code)
+    runtime.peer_gone(child.address, reason, expected=child.stopping)
+    runtime.children.pop(child.address, None)
+    child.exited._set_result(code)
+
+
+def _kill(child: ChildProc) -> None:
+    if child.popen is not None and child.popen.poll() is None:
+        try:
+            child.popen.kill()
+        except OSError:
+            pass
+
+
+def stop_children(runtime: Any, children: Sequence[ChildProc], timeout_s: float) -> Future[None]:
+    """Ask workers to stop (their actors' ``__cleanup__`` run), kill those that
+    have not exited after ``timeout_s``. The future completes when all exited."""
+    done: Future[None] = Future._create()
+    remaining = [c for c in children if not c.exited.done()]
+    if not remaining:
+        done._set_result(None)
+        return done
+    count = [len(remaining)]
+    lock = threading.Lock()
+
+    def one_exited(_: Any) -> None:
+        with lock:
+            count[0] -= 1
+            last = count[0] == 0
+        if last:
+            done._set_result(None)
+
+    def begin() -> None:
+        for child in remaining:
+            child.stopping = True
+            runtime.send(child.address, (M.STOP_PROC, None))
+            child.exited._add_done_callback(one_exited)
+        runtime.loop.call_later(timeout_s, lambda: [_kill(c) for c in remaining])
+
+    runtime.loop.call_soon_threadsafe(begin)
+    return done
+
+
+def kill_all_children(runtime: Any, grace_s: float = 1.0) -> None:
+    """At exit: ask every child to stop, then SIGKILL what is left (blocking)."""
+    children = list(getattr(runtime, "children", {}).values())
+    if not children:
+        return
+    fut = stop_children(runtime, children, grace_s)
+    try:
+        fut.get(timeout=grace_s + 1.0)
+    except Exception:
+        pass
+    for child in children:
+        _kill(child)
+        if child.popen is not None:
+            try:
+                child.popen.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass

@@ -1,0 +1,99 @@
+"""Entry point of a worker process: ``python -m actormesh.runtime.worker``.
+
+Reads its bootstrap from stdin (a pipe from the parent: the job secret never
+touches argv or the environment), arms the parent-death signal, runs the
+optional bootstrap function, then serves until told to stop or orphaned.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:
+        pass
+    if os.getppid() != parent_pid:  # parent died before the signal was armed
+        os._exit(1)
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.buffer.read())
+    _die_with_parent(spec["parent_pid"])
+    os.chdir(spec["cwd"])
+    for p in reversed(spec["sys_path"]):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+    from ..transport import loads
+    from . import _context, _spawn
+    from ._proc import ProcRuntime
+    import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
+
+    hello_error = None
+    if spec["bootstrap"]:
+        try:
+            fn = loads([base64.b64decode(spec["bootstrap"])])
+            result = fn()
+            if hasattr(result, "__await__"):
+                import asyncio
+
+                asyncio.run(result)
+        except BaseException:
+            hello_error = traceback.format_exc()
+
+    rt = ProcRuntime(
+        secret=bytes.fromhex(spec["secret"]),
+        name=spec["name"],
+        root_address=spec["root"],
+        parent_address=spec["parent"],
+        job_dir=spec["job_dir"],
+        transport=spec["transport"],
+        listen_address=spec["address"],
+    )
+    rt.hello_error = hello_error
+    _context.set_runtime(rt)
+    stop = threading.Event()
+
+    def on_stop_proc(env: tuple) -> None:
+        def run() -> None:
+            for cell in list(rt.actors.values()):
+                cell.stop(None)
+            for cell in list(rt.actors.values()):
+                cell.thread.join(rt.config.stop_timeout)
+            stop.set()
+
+        threading.Thread(target=run, name="actormesh-stop", daemon=True).start()
+
+    rt.on_stop_proc = on_stop_proc
+
+    def parent_lost(address: str, reason: str) -> None:
+        if address == rt.parent_address:
+            stop.set()
+
+    rt.on_peer_lost.append(parent_lost)
+    # Dial the parent: the connection's HELLO tells it we are ready.
+    parent_route = rt.route(rt.parent_address)
+    parent_route.connecting = True  # type: ignore[union-attr]
+    rt.start_dial(parent_route)  # type: ignore[arg-type]
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    _spawn.kill_all_children(rt)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Transport layer: frames, codec, authenticated connections. Knows bytes, not actors."""
+
+from ._auth import HANDSHAKE_BYTES, Handshake, new_secret
+from ._codec import SerializationError, dumps, loads
+from ._connection import Connection, Listener, connect, listen, parse_address
+from ._frames import FrameDecoder, Segment, encode_frame
+
+__all__ = [
+    "HANDSHAKE_BYTES",
+    "Handshake",
+    "new_secret",
+    "SerializationError",
+    "dumps",
+    "loads",
+    "Connection",
+    "Listener",
+    "connect",
+    "listen",
+    "parse_address",
+    "FrameDecoder",
+    "Segment",
+    "encode_frame",
+]

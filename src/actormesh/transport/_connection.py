@@ -1,0 +1,337 @@
+"""Authenticated, framed, coalescing connections over Unix and TCP sockets.
+
+A :class:`Connection` is an ``asyncio.BufferedProtocol`` that lives on one event
+loop. It runs the HMAC handshake first (bounded in size and time) and only then
+decodes frames and hands them to ``on_frame`` on the loop thread.
+
+``send`` may be called from any thread. Frames queue in a deque and one flush
+per loop iteration writes them all with a single ``writelines``: many small
+messages cost one syscall, and a burst from another thread costs one wake-up
+of the loop, not one per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import AuthenticationError, ProtocolError, TransportError
+from ._auth import HANDSHAKE_BYTES, Handshake
+from ._frames import FrameDecoder, Segment, encode_frame
+
+__all__ = ["Connection", "Listener", "connect", "listen", "parse_address"]
+
+log = logging.getLogger("actormesh.transport")
+
+FrameHandler = Callable[["Connection", list[Segment]], None]
+CloseHandler = Callable[["Connection", "BaseException | None"], None]
+
+
+def parse_address(address: str) -> tuple[str, Any]:
+    """Split ``unix:/path`` or ``tcp:host:port`` into (scheme, target)."""
+    scheme, _, rest = address.partition(":")
+    if scheme == "unix" and rest:
+        return "unix", rest
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        host = host.strip("[]")
+        if host and port.isdigit():
+            return "tcp", (host, int(port))
+    raise ValueError(f"bad address {address!r}: expected 'unix:/path' or 'tcp:host:port'")
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One authenticated byte stream carrying frames both ways."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        dialer: bool,
+        max_frame_bytes: int,
+        handshake_timeout_s: float,
+        on_frame: FrameHandler,
+        on_close: CloseHandler,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._handshake: Handshake | None = Handshake(secret, dialer=dialer)
+        self._hs_buf = bytearray(HANDSHAKE_BYTES)
+        self._hs_view = memoryview(self._hs_buf)
+        self._hs_filled = 0
+        self._hs_timeout_s = handshake_timeout_s
+        self._hs_timer: asyncio.TimerHandle | None = None
+        self._decoder = FrameDecoder(max_frame_bytes)
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._transport: asyncio.Transport | None = None
+        self._outbox: deque[tuple[list[Segment], threading.Event | None]] = deque()
+        self._scheduled = False
+        self._drain_waiters: list[threading.Event] = []
+        self.ready: asyncio.Future[None] = loop.create_future()
+        self.closed = False
+        self.peer_name = "?"
+        #: Free for the layer above (e.g. the peer's proc address).
+        self.tag: Any = None
+
+    def __repr__(self) -> str:
+        return f"<Connection peer={self.peer_name} ready={self.ready.done()} closed={self.closed}>"
+
+    # -- asyncio protocol callbacks (loop thread) ------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer_name = str(peer) if peer else "unix-peer"
+        # Resume is our signal that big buffers handed to the kernel are free.
+        transport.set_write_buffer_limits(high=0)
+        assert self._handshake is not None
+        transport.write(self._handshake.start())
+        self._hs_timer = self._loop.call_later(self._hs_timeout_s, self._handshake_timed_out)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._handshake is not None:
+            # Read exactly the handshake's bytes: nothing after it is touched until it succeeds.
+            return self._hs_view[self._hs_filled :]
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._handshake is not None:
+                self._advance_handshake(nbytes)
+                return
+            frames = self._decoder.buffer_updated(nbytes)
+        except (ProtocolError, AuthenticationError) as exc:
+            log.warning("closing connection from %s: %s", self.peer_name, exc)
+            self._abort(exc)
+            return
+        on_frame = self._on_frame
+        for frame in frames:
+            on_frame(self, frame)
+
+    def _advance_handshake(self, nbytes: int) -> None:
+        hs = self._handshake
+        assert hs is not None and self._transport is not None
+        start = self._hs_filled
+        self._hs_filled += nbytes
+        reply = hs.receive(bytes(self._hs_view[start : self._hs_filled]))
+        if reply:
+            self._transport.write(reply)
+        if hs.done:
+            self._handshake = None
+            if self._hs_timer is not None:
+                self._hs_timer.cancel()
+            if not self.ready.done():
+                self.ready.set_result(None)
+            self._flush()
+
+    def _handshake_timed_out(self) -> None:
+        if self._handshake is not None and not self.closed:
+            log.warning("closing connection from %s: handshake not completed in %.1fs", self.peer_name, self._hs_timeout_s)
+            self._abort(AuthenticationError("handshake timed out"))
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        self._release_drain_waiters()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        if self._hs_timer is not None:
+            self._hs_timer.cancel()
+        if not self.ready.done():
+            self.ready.set_exception(TransportError(f"connection to {self.peer_name} closed during handshake"))
+            self.ready.exception()  # mark retrieved: a dial that gave up must not log noise
+        self._release_drain_waiters()
+        for _, ev in self._outbox:
+            if ev is not None:
+                ev.set()
+        self._outbox.clear()
+        self._on_close(self, exc)
+
+    # -- sending (any thread) ----------------------------------------------------------
+    def send(self, segments: Sequence[Segment], *, wait_flushed: bool = False) -> threading.Event | None:
+        """Queue one frame. Thread-safe; frames from one thread keep their order.
+
+        With ``wait_flushed`` an Event is returned that is set once the frame's
+        bytes are in the kernel (or the connection closed): until then the
+        segments' memory is still referenced and must not change.
+        """
+        if self.closed:
+            raise TransportError(f"connection to {self.peer_name} is closed")
+        event = threading.Event() if wait_flushed else None
+        self._outbox.append((encode_frame(segments), event))
+        if not self._scheduled:
+            self._scheduled = True
+            if threading.get_ident() == self._loop_thread:
+                self._loop.call_soon(self._flush)
+            else:
+                try:
+                    self._loop.call_soon_threadsafe(self._flush)
+                except RuntimeError as exc:  # loop closed under us
+                    raise TransportError("event loop is closed") from exc
+        return event
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._handshake is not None or self.closed or self._transport is None:
+            return
+        outbox = self._outbox
+        parts: list[Segment] = []
+        waiters: list[threading.Event] = []
+        while outbox:
+            frame, ev = outbox.popleft()
+            parts.extend(frame)
+            if ev is not None:
+                waiters.append(ev)
+        if not parts:
+            return
+        self._transport.writelines(parts)
+        if waiters:
+            if self._transport.get_write_buffer_size() == 0:
+                for ev in waiters:
+                    ev.set()
+            else:
+                self._drain_waiters.extend(waiters)
+
+    def _release_drain_waiters(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for ev in waiters:
+            ev.set()
+
+    def close(self) -> None:
+        """Close after queued frames are written (thread-safe)."""
+        if threading.get_ident() == self._loop_thread:
+            self._close_now()
+        else:
+            try:
+                self._loop.call_soon_threadsafe(self._close_now)
+            except RuntimeError:
+                pass
+
+    def _close_now(self) -> None:
+        if self._transport is not None and not self.closed:
+            self._flush()
+            self._transport.close()
+
+    def _abort(self, exc: BaseException) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.abort()
+
+
+class Listener:
+    """A listening socket; ``address`` is what peers dial."""
+
+    def __init__(self, server: asyncio.AbstractServer, address: str, path: str | None) -> None:
+        self._server = server
+        self.address = address
+        self._path = path
+
+    def close(self) -> None:
+        """Stop accepting (existing connections stay) and remove a Unix socket file."""
+        self._server.close()
+        if self._path:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+
+
+def _factory(secret: bytes, dialer: bool, loop: asyncio.AbstractEventLoop, opts: dict[str, Any]) -> Callable[[], Connection]:
+    def make() -> Connection:
+        return Connection(secret, dialer=dialer, loop=loop, **opts)
+
+    return make
+
+
+async def listen(
+    address: str,
+    secret: bytes,
+    *,
+    on_connection: Callable[[Connection], None],
+    on_frame: FrameHandler,
+    on_close: CloseHandler,
+    max_frame_bytes: int,
+    handshake_timeout_s: float,
+) -> Listener:
+    """Listen on ``unix:/path`` or ``tcp:host:port`` (port 0 picks a free one).
+
+    ``on_connection`` runs once a peer has authenticated.
+    """
+    loop = asyncio.get_running_loop()
+    scheme, target = parse_address(address)
+    opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close)
+    inner = _factory(secret, False, loop, opts)
+
+    def make() -> Connection:
+        conn = inner()
+        conn.ready.add_done_callback(lambda f: None if f.exception() else on_connection(conn))
+        return conn
+
+    if scheme == "unix":
+        server = await loop.create_unix_server(make, target)
+        os.chmod(target, 0o600)  # only our own user may even attempt a handshake
+        return Listener(server, address, target)
+    host, port = target
+    server = await loop.create_server(make, host, port, reuse_address=True)
+    sock = server.sockets[0]
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return Listener(server, f"tcp:{shown}:{bound_port}", None)
+
+
+async def connect(
+    address: str,
+    secret: bytes,
+    *,
+    on_frame: FrameHandler,
+    on_close: CloseHandler,
+    max_frame_bytes: int,
+    handshake_timeout_s: float,
+    timeout_s: float,
+) -> Connection:
+    """Dial and authenticate, retrying with jittered back-off until ``timeout_s``.
+
+    Raises TransportError (or AuthenticationError) naming the address on failure.
+    """
+    loop = asyncio.get_running_loop()
+    scheme, target = parse_address(address)
+    make = _factory(
+        secret,
+        True,
+        loop,
+        dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close),
+    )
+    deadline = loop.time() + timeout_s
+    delay = 0.005
+    last: BaseException | None = None
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise TransportError(f"could not connect to {address} within {timeout_s:.1f}s: {last}") from last
+        try:
+            if scheme == "unix":
+                coro = loop.create_unix_connection(make, target)
+            else:
+                coro = loop.create_connection(make, target[0], target[1])
+            _, conn = await asyncio.wait_for(coro, remaining)
+            if scheme == "tcp":
+                sock = conn._transport.get_extra_info("socket") if conn._transport else None
+                if sock is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
+            return conn
+        except AuthenticationError:
+            raise
+        except (OSError, asyncio.TimeoutError, TransportError) as exc:
+            last = exc
+        await asyncio.sleep(min(delay * (1 + random.random()), max(0.0, deadline - loop.time())))
+        delay = min(delay * 2, 0.5)

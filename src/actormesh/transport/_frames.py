@@ -1,0 +1,178 @@
+"""Sans-I/O framing: bytes in, frames out; frames in, bytes out.
+
+Theory of operation
+-------------------
+A frame is a list of *segments* (byte strings). On the wire::
+
+    <u64 body_len> <u32 nseg> <u64 len_0> ... <u64 len_{nseg-1}> <seg_0> ... <seg_{nseg-1}>
+
+``body_len`` counts everything after the 12-byte prefix, so a reader can reject
+an oversized frame after 12 bytes, before allocating anything. Segment 0 is by
+convention the envelope, the others pickle-5 out-of-band buffers, but this
+module does not care.
+
+The decoder is written for asyncio's ``BufferedProtocol``: the event loop asks
+``get_buffer()`` for memory and reports with ``buffer_updated(n)``. Small frames
+share one reusable receive buffer and are copied out (cheap). A frame whose data
+is large gets a buffer of its own, handed straight to the kernel, so large
+payloads land in their final place without a copy: the segments of such a frame
+are memoryviews over that private buffer (writable, so numpy/torch can wrap them).
+
+Any violation raises :class:`ProtocolError`; the decoder is then unusable, and the
+caller closes the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Union
+
+from ..errors import ProtocolError
+
+__all__ = ["FrameDecoder", "encode_frame", "Segment", "PREFIX_BYTES"]
+
+Segment = Union[bytes, bytearray, memoryview]
+
+_PREFIX = struct.Struct("<QI")
+PREFIX_BYTES = _PREFIX.size
+# Keeps the segment-length table of any frame inside the shared buffer.
+_MAX_SEGMENTS = 4096
+_RECV_BYTES = 256 * 1024
+# Frames with more data than this get a private buffer (no copy on receive).
+_BIG_BYTES = 64 * 1024
+
+
+def encode_frame(segments: Sequence[Segment]) -> list[Segment]:
+    """The parts to write for one frame: a header, then the segments unchanged.
+
+    >>> b"".join(encode_frame([b"ab", b"c"]))[12 + 16:]
+    b'abc'
+    """
+    n = len(segments)
+    if n > _MAX_SEGMENTS:
+        raise ValueError(f"a frame holds at most {_MAX_SEGMENTS} segments, got {n}")
+    lens = [memoryview(s).nbytes for s in segments]
+    header = _PREFIX.pack(8 * n + sum(lens), n) + struct.pack(f"<{n}Q", *lens)
+    return [header, *segments]
+
+
+class FrameDecoder:
+    """Turns a byte stream into frames (lists of segments).
+
+    Use either ``get_buffer()`` / ``buffer_updated(n)`` (zero-copy, for
+    ``asyncio.BufferedProtocol``) or ``feed(data)`` (tests, fuzzing).
+    """
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        if max_frame_bytes <= 0:
+            raise ValueError("max_frame_bytes must be positive")
+        self._max = max_frame_bytes
+        self._buf = bytearray(_RECV_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        # A large frame in progress: its private buffer, bytes filled, segment lengths.
+        self._big: bytearray | None = None
+        self._big_view: memoryview | None = None
+        self._big_filled = 0
+        self._big_lens: tuple[int, ...] = ()
+        self._broken = False
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Writable memory for the next bytes from the stream (never empty)."""
+        if self._big_view is not None:
+            return self._big_view[self._big_filled :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < _BIG_BYTES:
+            # Move the unparsed tail to the front so a whole small frame fits.
+            tail = self._end - self._start
+            self._buf[:tail] = self._view[self._start : self._end]
+            self._start, self._end = 0, tail
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[list[Segment]]:
+        """Account for ``nbytes`` written into the last buffer; return complete frames."""
+        if self._broken:
+            raise ProtocolError("frame decoder used after a protocol error")
+        if self._big is not None:
+            self._big_filled += nbytes
+            if self._big_filled < len(self._big):
+                return []
+            frame = self._split_big()
+            return [frame]
+        self._end += nbytes
+        try:
+            return self._parse()
+        except ProtocolError:
+            self._broken = True
+            raise
+
+    def feed(self, data: bytes) -> list[list[Segment]]:
+        """Push bytes in (copying); return every frame they complete."""
+        frames: list[list[Segment]] = []
+        mv = memoryview(data)
+        while mv.nbytes:
+            buf = self.get_buffer()
+            n = min(buf.nbytes, mv.nbytes)
+            buf[:n] = mv[:n]
+            mv = mv[n:]
+            frames.extend(self.buffer_updated(n))
+        return frames
+
+    def _split_big(self) -> list[Segment]:
+        view = self._big_view
+        assert view is not None
+        segments: list[Segment] = []
+        pos = 0
+        for length in self._big_lens:
+            segments.append(view[pos : pos + length])
+            pos += length
+        self._big = self._big_view = None
+        self._big_filled = 0
+        return segments
+
+    def _parse(self) -> list[list[Segment]]:
+        frames: list[list[Segment]] = []
+        buf, view = self._buf, self._view
+        while True:
+            start, avail = self._start, self._end - self._start
+            if avail < PREFIX_BYTES:
+                break
+            body_len, nseg = _PREFIX.unpack_from(buf, start)
+            if nseg > _MAX_SEGMENTS:
+                raise ProtocolError(f"frame declares {nseg} segments (limit {_MAX_SEGMENTS})")
+            if body_len > self._max:
+                raise ProtocolError(f"frame of {body_len} bytes exceeds codec_max_frame_length={self._max}")
+            table = 8 * nseg
+            if body_len < table:
+                raise ProtocolError("frame body shorter than its segment table")
+            if avail < PREFIX_BYTES + table:
+                break
+            lens = struct.unpack_from(f"<{nseg}Q", buf, start + PREFIX_BYTES)
+            data_len = body_len - table
+            if sum(lens) != data_len:
+                raise ProtocolError("frame segment lengths do not add up to its body length")
+            data_start = start + PREFIX_BYTES + table
+            if avail >= PREFIX_BYTES + body_len:
+                segments: list[Segment] = []
+                pos = data_start
+                for length in lens:
+                    segments.append(bytes(view[pos : pos + length]))
+                    pos += length
+                self._start = pos
+                frames.append(segments)
+                continue
+            if data_len >= _BIG_BYTES:
+                # Receive the rest of this frame straight into its own buffer.
+                have = self._end - data_start
+                big = bytearray(data_len)
+                big[:have] = view[data_start : self._end]
+                self._big, self._big_view = big, memoryview(big)
+                self._big_filled, self._big_lens = have, lens
+                self._start = self._end = 0
+            break
+        if self._start == self._end:
+            self._start = self._end = 0
+        return frames
