@@ -44,7 +44,9 @@ class ActorMesh(MeshTrait, Generic[T]):
             raise AttributeError(name)
         attr = getattr(self._class, name, None)
         if isinstance(attr, EndpointProperty):
-            return Endpoint(self, attr)
+            ep = Endpoint(self, attr)
+            self.__dict__[name] = ep  # next access skips __getattr__
+            return ep
         if callable(attr):
             return NotAnEndpoint(self, name)
         raise AttributeError(f"actor mesh of {self._class.__qualname__} has no endpoint {name!r}")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..errors import SupervisionError
-from ..runtime import Future, GatherPort, Port, StreamPort, current_runtime, messages as M, pick_random
+from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, messages as M, pick_random
 from ..transport import dumps
 from ._shape import Shape
 from ._value_mesh import ValueMesh
@@ -103,11 +103,14 @@ class Endpoint(Generic[R]):
         problem = self._mesh._status_problem([index])
         if problem:
             return Future._failed(SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what))
-        addr = self._mesh._addresses[self._mesh._shape.rank_at(index)]
-        g = self._mesh._shape.rank_at(index)
-        port = StreamPort(self._mesh._runtime(), self._what, [addr], lambda _: self._mesh._member(g))
-        self._cast(payload, (port.runtime.address, port.port_id), [index])
-        return port.futures[0]
+        mesh = self._mesh
+        g = mesh._shape.rank_at(index)
+        addr = mesh._addresses[g]
+        rt = mesh._runtime()
+        port = OnePort(rt, self._what, addr, lambda _: mesh._member(g))
+        shape = mesh._shape
+        rt.send(addr, (M.CALL, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes, rt.address), payload)
+        return port.future
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
         """Call every member; yield one Future per member, completed in arrival order."""

@@ -17,7 +17,7 @@ from ._actor import (
 from ._channel import Channel, Port, PortReceiver
 from ._context import context, current_actor_name, current_runtime, shutdown_context
 from ._future import Future
-from ._ports import GatherPort, QueuePort, StreamPort, pick_random
+from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._spawn import ChildProc, spawn_children, stop_children
 from ._supervision import CLIENT_NAME, MeshRecord, default_fault_hook
@@ -43,6 +43,7 @@ __all__ = [
     "shutdown_context",
     "Future",
     "GatherPort",
+    "OnePort",
     "QueuePort",
     "StreamPort",
     "pick_random",

@@ -46,6 +46,7 @@ class EndpointProperty(Generic[R]):
         self.is_async = inspect.iscoroutinefunction(fn)
         self.name = fn.__name__
         self.signature = inspect.signature(fn)
+        self._fast_arity = _positional_arity(self.signature, 2 if explicit_response_port else 1)
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -61,6 +62,9 @@ class EndpointProperty(Generic[R]):
 
     def bind_check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise TypeError if the arguments do not fit the endpoint's signature."""
+        fast = self._fast_arity
+        if fast is not None and not kwargs and fast[0] <= len(args) <= fast[1]:
+            return  # the common case, without inspect's slow bind()
         try:
             if self.explicit_response_port:
                 self.signature.bind(None, None, *args, **kwargs)
@@ -68,6 +72,22 @@ class EndpointProperty(Generic[R]):
                 self.signature.bind(None, *args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"bad arguments for endpoint {self.name!r}: {exc}") from None
+
+
+def _positional_arity(sig: inspect.Signature, skip: int) -> tuple[int, int] | None:
+    """(min, max) positional arguments after ``skip`` leading ones, if the
+    signature is plain positional parameters (else None: use bind())."""
+    params = list(sig.parameters.values())[skip:]
+    low = high = 0
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return None
+        high += 1
+        if p.default is p.empty:
+            if low != high - 1:
+                return None
+            low += 1
+    return (low, high)
 
 
 def endpoint(method: Callable[..., Any] | None = None, *, propagate: Any = None, explicit_response_port: bool = False, instrument: bool = True) -> Any:

@@ -21,7 +21,7 @@ from ._messages import ERROR, OK, SUPERVISION
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
 
-__all__ = ["decode_reply", "GatherPort", "StreamPort", "QueuePort"]
+__all__ = ["decode_reply", "GatherPort", "StreamPort", "OnePort", "QueuePort"]
 
 
 def decode_reply(status: int, payload: Sequence[Segment], what: str) -> Any:
@@ -144,6 +144,37 @@ class StreamPort(_PortBase):
         for i, addr in enumerate(self._addresses):
             if addr == address:
                 self._complete(i, SUPERVISION, _dead_text(self._describe, i, reason))
+
+
+class OnePort:
+    """One reply from one peer (``call_one``/``choose``): the lean path."""
+
+    __slots__ = ("runtime", "what", "port_id", "future", "_address", "_describe")
+
+    def __init__(self, runtime: ProcRuntime, what: str, address: str, describe: Callable[[int], str] | None = None) -> None:
+        self.runtime = runtime
+        self.what = what
+        self.future: Future[Any] = Future._create()
+        self._address = address
+        self._describe = describe
+        self.port_id = runtime.register_port(self)
+        runtime.await_peer(address, self)
+
+    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        rt = self.runtime
+        rt.ports.pop(self.port_id, None)
+        rt.unawait_peer(self._address, self)
+        status, what = env[3], self.what
+        if status == OK:
+            self.future._set_thunk(lambda: loads(payload))
+        else:
+            self.future._set_thunk(lambda: decode_reply(status, payload, what))
+
+    def peer_lost(self, address: str, reason: str) -> None:
+        self.runtime.ports.pop(self.port_id, None)
+        what = self.what
+        text = _dead_text(self._describe, 0, reason)
+        self.future._set_exception(SupervisionError(f"Endpoint call {what}() failed, {text}", endpoint=what))
 
 
 class QueuePort(_PortBase):

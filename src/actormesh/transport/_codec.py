@@ -40,14 +40,23 @@ class SerializationError(TypeError):
     """A value could not be pickled (a TypeError, as Monarch raises at the call site)."""
 
 
-def _is_simple(obj: Any) -> bool:
+def _is_simple(obj: Any, depth: int = 2) -> bool:
+    """Builtin scalars in (nested, up to ``depth``) tuples, lists and dicts."""
     t = type(obj)
     if t in _SCALARS:
         return True
+    if depth == 0:
+        return False
     if t is tuple or t is list:
-        return all(type(x) in _SCALARS for x in obj)
+        for x in obj:
+            if type(x) not in _SCALARS and not _is_simple(x, depth - 1):
+                return False
+        return True
     if t is dict:
-        return all(type(k) in _SCALARS and type(v) in _SCALARS for k, v in obj.items())
+        for k, v in obj.items():
+            if type(k) not in _SCALARS or (type(v) not in _SCALARS and not _is_simple(v, depth - 1)):
+                return False
+        return True
     return False
 
 

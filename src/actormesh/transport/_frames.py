@@ -52,7 +52,7 @@ def encode_frame(segments: Sequence[Segment]) -> list[Segment]:
     n = len(segments)
     if n > _MAX_SEGMENTS:
         raise ValueError(f"a frame holds at most {_MAX_SEGMENTS} segments, got {n}")
-    lens = [memoryview(s).nbytes for s in segments]
+    lens = [len(s) if type(s) is bytes else memoryview(s).nbytes for s in segments]
     header = _PREFIX.pack(8 * n + sum(lens), n) + struct.pack(f"<{n}Q", *lens)
     return [header, *segments]
 
