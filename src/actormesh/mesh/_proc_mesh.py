@@ -197,7 +197,9 @@ class HostMesh(MeshTrait):
         shape = Shape.row_major(labels, sizes)
         base = name or "anon"
         rt = current_runtime()
-        children = spawn_children(rt, [f"{base}-{i}" for i in range(len(shape))], bootstrap=bootstrap)
+        me = context().actor_instance
+        owner = me.name if me._cell is not None else CLIENT_NAME
+        children = spawn_children(rt, [f"{base}-{i}" for i in range(len(shape))], bootstrap=bootstrap, owner=owner)
         return ProcMesh([c.address for c in children], shape, base, _ProcMeshState(children))
 
     def __repr__(self) -> str:

@@ -248,7 +248,16 @@ class Cell:
         if env[1] is not None:
             self.runtime.reply(env[1], 0, M.OK, dumps(None))
 
+    def _stop_owned(self, reason: str) -> None:
+        from ._supervision import stop_owned
+
+        try:
+            stop_owned(self.runtime, self.name, reason)
+        except Exception:
+            log.exception("stopping meshes owned by %s failed", self.display)
+
     def _cleanup(self, exc: BaseException | None) -> None:
+        self._stop_owned("its owner stopped" if exc is None else "its owner failed")
         if self.instance is None or not _overrides(type(self.instance), "__cleanup__"):
             return
         try:
@@ -263,6 +272,8 @@ class Cell:
         self.cause = cause.rstrip()
         if run_cleanup and not self.is_async:
             self._cleanup(RuntimeError(self.cause))
+        elif self.is_async:
+            threading.Thread(target=self._stop_owned, args=("its owner failed",), daemon=True).start()
         owner = self.owner
         if owner is not None:
             self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display))
@@ -365,6 +376,7 @@ class Cell:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         failure = env[2]
         exc = RuntimeError(str(failure)) if failure is not None else None
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_owned, "its owner stopped")
         if self.instance is not None and _overrides(type(self.instance), "__cleanup__"):
             try:
                 result = self.instance.__cleanup__(exc)

@@ -11,6 +11,7 @@ Layouts (index 0 is the kind):
 - HELLO       (kind, address, pid, error)
 - FAILURE     (kind, owner_actor, mesh_name, rank, cause, kind_of_failure)
 - SINGLETON   (kind, name, reply)                          get_or_spawn_controller lookup at the root
+- PING / PONG (kind,)                                      liveness probe from a spawner and its answer
 
 ``reply`` is a port reference ``(address, port_id)`` or None. ``owner`` is an actor
 reference ``(address, actor_name)``.
@@ -24,6 +25,8 @@ STOP_PROC = 4
 HELLO = 5
 FAILURE = 6
 SINGLETON = 7
+PING = 8
+PONG = 9
 
 OK = 0
 ERROR = 1

@@ -299,7 +299,10 @@ class ProcRuntime:
         elif kind == M.SINGLETON:
             if self.on_singleton is not None:
                 self.on_singleton(env, payload)
-        elif kind == M.HELLO:
+        elif kind == M.PING:
+            if conn is not None:
+                conn.send([pickle.dumps((M.PONG,), 5)])
+        elif kind in (M.HELLO, M.PONG):
             pass
         else:
             log.warning("dropping message of unknown kind %r", kind)

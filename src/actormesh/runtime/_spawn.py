@@ -61,6 +61,8 @@ class ChildProc:
     exited: Future[Any] = field(default_factory=Future._create)
     stopping: bool = False
     returncode: int | None = None
+    #: Name of the actor (or "client") that spawned it: it dies with its owner.
+    owner: str = "client"
 
 
 def _free_tcp_address(host: str) -> str:
@@ -71,10 +73,41 @@ def _free_tcp_address(host: str) -> str:
     return f"tcp:{shown}:{port}"
 
 
+def _heartbeat(runtime: Any) -> None:
+    """Ping quiet children; kill (and so fence) those silent past the timeout.
+
+    A SIGSTOPped or wedged proc keeps its socket open, so only silence tells.
+    Killing it guarantees that no late reply from it is ever delivered.
+    """
+    import pickle
+    import time
+
+    cfg = runtime.config
+    now = time.monotonic()
+    for child in list(runtime.children.values()):
+        route = runtime._routes.get(child.address)
+        conn = getattr(route, "conn", None)
+        if conn is None or not child.ready.done() or child.stopping:
+            continue
+        quiet = now - conn.last_rx
+        if quiet > cfg.heartbeat_timeout:
+            _kill(child)
+            route.fail(f"the process this actor was running on stopped responding for {quiet:.1f}s (hung) and was killed")
+            runtime.peer_gone(child.address, route.dead)
+        elif quiet > cfg.heartbeat_interval:
+            try:
+                conn.send([pickle.dumps((M.PING,), 5)])
+            except Exception:
+                pass
+    if not runtime.closed:
+        runtime.loop.call_later(cfg.heartbeat_interval / 2, _heartbeat, runtime)
+
+
 def _install_hello(runtime: Any) -> None:
     if getattr(runtime, "children", None) is not None:
         return
     runtime.children = {}
+    runtime.loop.call_soon_threadsafe(_heartbeat, runtime)
 
     def on_hello(conn: Any, env: tuple[Any, ...]) -> bool:
         child = runtime.children.get(env[1])
@@ -94,7 +127,7 @@ def _install_hello(runtime: Any) -> None:
     runtime.on_hello = on_hello
 
 
-def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[], Any] | None = None, env: dict[str, str] | None = None) -> list[ChildProc]:
+def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[], Any] | None = None, env: dict[str, str] | None = None, owner: str = "client") -> list[ChildProc]:
     """Start one worker per name (non-blocking). Messages to them queue until ready."""
     _install_hello(runtime)
     from ..config import get_config
@@ -106,7 +139,7 @@ def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[]
             address = f"unix:{os.path.join(runtime.job_dir, f'{name}-{os.urandom(4).hex()}.sock')}"
         else:
             address = _free_tcp_address(cfg.bind_host)
-        child = ChildProc(name=name, address=address)
+        child = ChildProc(name=name, address=address, owner=owner)
         runtime.children[address] = child
         runtime.expect_child(address)
         children.append(child)

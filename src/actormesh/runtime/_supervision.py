@@ -72,6 +72,35 @@ def _call_fault_hook(failure: MeshFailure) -> None:
         log.exception("unhandled_fault_hook raised for %r", failure)
 
 
+def stop_owned(runtime: Any, owner: str, reason: str) -> None:
+    """Stop every actor mesh and proc spawned by ``owner`` and wait (bounded).
+
+    A mesh cannot outlive its owner: this runs before the owner's ``__cleanup__``.
+    Runs on the owner's own thread, never on the loop thread.
+    """
+    from ._ports import GatherPort
+    from ._spawn import stop_children
+
+    futures = []
+    for record in list(runtime.owned_meshes.values()):
+        if record.owner != owner or record.stopped is not None:
+            continue
+        record.stopped = reason
+        port = GatherPort(runtime, f"{record.name}.stop", record.addresses, lambda values: None)
+        for addr in record.addresses:
+            runtime.send(addr, (M.STOP_ACTOR, record.name, (runtime.address, port.port_id)))
+        futures.append(port.future)
+    children = [c for c in getattr(runtime, "children", {}).values() if c.owner == owner]
+    if children:
+        futures.append(stop_children(runtime, children, runtime.config.stop_timeout))
+    deadline = time.monotonic() + runtime.config.stop_timeout
+    for fut in futures:
+        try:
+            fut.get(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:
+            pass
+
+
 def install(runtime: Any) -> None:
     """Attach owner-side supervision to a runtime."""
     runtime.owned_meshes = {}

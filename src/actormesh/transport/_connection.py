@@ -19,6 +19,7 @@ import random
 import socket
 import threading
 from collections import deque
+from time import monotonic as _monotonic
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +79,8 @@ class Connection(asyncio.BufferedProtocol):
         self._drain_waiters: list[threading.Event] = []
         self.ready: asyncio.Future[None] = loop.create_future()
         self.closed = False
+        #: When bytes last arrived (time.monotonic()): liveness for heartbeats.
+        self.last_rx = _monotonic()
         self.peer_name = "?"
         #: Free for the layer above (e.g. the peer's proc address).
         self.tag: Any = None
@@ -103,6 +106,7 @@ class Connection(asyncio.BufferedProtocol):
         return self._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_rx = _monotonic()
         try:
             if self._handshake is not None:
                 self._advance_handshake(nbytes)
@@ -331,6 +335,11 @@ async def connect(
             return conn
         except AuthenticationError:
             raise
+        except ConnectionRefusedError as exc:
+            if scheme == "unix":
+                # The socket file exists but nobody listens: its process is gone.
+                raise TransportError(f"nothing listens at {address} (its process has exited)") from exc
+            last = exc
         except (OSError, asyncio.TimeoutError, TransportError) as exc:
             last = exc
         await asyncio.sleep(min(delay * (1 + random.random()), max(0.0, deadline - loop.time())))
