@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from ..runtime import EndpointProperty, Future, GatherPort, MeshRecord, current_runtime, messages as M
+from ..runtime import EndpointProperty, Future, GatherPort, MeshRecord, RestartPolicy, current_runtime, messages as M
 from ._endpoint import Endpoint, NotAnEndpoint
 from ._shape import Extent, MeshTrait, Point, Shape
 
@@ -73,6 +73,19 @@ class ActorMesh(MeshTrait, Generic[T]):
     def _member(self, rank: int) -> str:
         """Qualified name of the member at spawn rank ``rank`` (for error messages)."""
         return member_display(self._display, rank, self._spawn_extent)
+
+    def restart_policy(self, max_restarts: int = 3, within_s: float = 60.0) -> ActorMesh[T]:
+        """Restart failed members automatically (owner only); returns the mesh.
+
+        At most ``max_restarts`` restarts in any ``within_s`` seconds, then the
+        failure goes to the owner as usual. Example::
+
+            loaders = procs.spawn("loader", DataLoader).restart_policy(max_restarts=5, within_s=30)
+        """
+        if self._record is None:
+            raise NotImplementedError("restart_policy() is only available on the mesh its spawner holds")
+        self._record.restart = RestartPolicy(max_restarts, within_s)
+        return self
 
     @property
     def initialized(self) -> Future[Any]:

@@ -44,6 +44,26 @@ class _ProcMeshState:
     children: list[ChildProc] | None
     stopped: str | None = None
     actor_records: list[MeshRecord] = field(default_factory=list)
+    bootstrap: Callable[[], Any] | None = None
+    owner: str = CLIENT_NAME
+    addresses: list[str] = field(default_factory=list)
+    generation: int = 0
+
+    def replace(self, rank: int, dead_address: str) -> str:
+        """Start a fresh proc at ``rank`` if it still is ``dead_address``; return its address.
+
+        Runs on the loop thread (from supervision), so it never blocks.
+        """
+        if self.children is None:
+            raise RuntimeError("the controller's own proc cannot be replaced")
+        if self.addresses[rank] != dead_address:
+            return self.addresses[rank]  # someone already replaced it
+        self.generation += 1
+        old = self.children[rank]
+        (child,) = spawn_children(current_runtime(), [f"{old.name}.r{self.generation}"], bootstrap=self.bootstrap, owner=self.owner)
+        self.children[rank] = child
+        self.addresses[rank] = child.address
+        return child.address
 
 
 class ProcMesh(MeshTrait):
@@ -101,6 +121,22 @@ class ProcMesh(MeshTrait):
         for i, addr in enumerate(addresses):
             display = member_display(prefix, i, extent)
             rt.send(addr, (M.SPAWN, mesh_name, i, labels, sizes, owner, reply, mesh_name, display, is_async), payload)
+        record.describe = lambda r: member_display(prefix, r, extent)
+        state = self._state
+        proc_ranks = [shape.rank_at(i) for i in range(n)]
+
+        def respawn(rank: int) -> None:
+            """Restart member ``rank`` (loop thread): on a fresh proc if its proc died."""
+            addr = addresses[rank]
+            route = rt._routes.get(addr)
+            if route is not None and route.dead is not None:
+                if state is None or state.children is None:
+                    raise RuntimeError(f"cannot restart {record.member(rank)}: its proc is gone and was not spawned here")
+                addresses[rank] = state.replace(proc_ranks[rank], addr)
+            display = member_display(prefix, rank, extent)
+            rt.send(addresses[rank], (M.SPAWN, mesh_name, rank, labels, sizes, owner, None, mesh_name, display, is_async), payload)
+
+        record.respawn = respawn
         mesh: ActorMesh[Any] = ActorMesh(Class, name, mesh_name, addresses, Shape.row_major(labels, sizes), prefix, extent, record, port.future)
         return mesh  # type: ignore[return-value]
 
@@ -200,7 +236,8 @@ class HostMesh(MeshTrait):
         me = context().actor_instance
         owner = me.name if me._cell is not None else CLIENT_NAME
         children = spawn_children(rt, [f"{base}-{i}" for i in range(len(shape))], bootstrap=bootstrap, owner=owner)
-        return ProcMesh([c.address for c in children], shape, base, _ProcMeshState(children))
+        addresses = [c.address for c in children]
+        return ProcMesh(addresses, shape, base, _ProcMeshState(children, bootstrap=bootstrap, owner=owner, addresses=addresses))
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape.extent}>"

@@ -20,7 +20,7 @@ from ._future import Future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._spawn import ChildProc, spawn_children, stop_children
-from ._supervision import CLIENT_NAME, MeshRecord, default_fault_hook
+from ._supervision import CLIENT_NAME, MeshRecord, RestartPolicy, default_fault_hook
 
 __all__ = [
     "hooks",
@@ -53,5 +53,6 @@ __all__ = [
     "stop_children",
     "CLIENT_NAME",
     "MeshRecord",
+    "RestartPolicy",
     "default_fault_hook",
 ]

@@ -276,7 +276,7 @@ class Cell:
             threading.Thread(target=self._stop_owned, args=("its owner failed",), daemon=True).start()
         owner = self.owner
         if owner is not None:
-            self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display))
+            self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display, self.runtime.address))
 
     # -- async actors -------------------------------------------------------------------
     def _run_async(self) -> None:
@@ -407,6 +407,9 @@ def install(runtime: Any) -> None:
 
     def on_spawn(env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
         name = env[1]
+        old = runtime.actors.get(name)
+        if old is not None and old.status == "failed":
+            del runtime.actors[name]  # a restart replaces a failed member in place
         if name in runtime.actors:
             runtime.reply(env[6], env[2], M.SUPERVISION, dumps(f"an actor named {name!r} already exists on {runtime.address}"))
             return

@@ -9,7 +9,7 @@ Layouts (index 0 is the kind):
 - STOP_ACTOR  (kind, actor, reply)
 - STOP_PROC   (kind, reply)
 - HELLO       (kind, address, pid, error)
-- FAILURE     (kind, owner_actor, mesh_name, rank, cause, kind_of_failure)
+- FAILURE     (kind, owner_actor, mesh_name, rank, cause, display, source_address)
 - SINGLETON   (kind, name, reply)                          get_or_spawn_controller lookup at the root
 - PING / PONG (kind,)                                      liveness probe from a spawner and its answer
 

@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from ._actor import MeshFailure
 
 log = logging.getLogger("actormesh.supervision")
 
-__all__ = ["MeshRecord", "install", "default_fault_hook", "CLIENT_NAME"]
+__all__ = ["MeshRecord", "RestartPolicy", "install", "default_fault_hook", "stop_owned", "CLIENT_NAME"]
 
 CLIENT_NAME = "client"
 
@@ -41,6 +41,36 @@ class MeshRecord:
     failed: dict[int, str] = field(default_factory=dict)
     stopped: str | None = None
     reported: set[int] = field(default_factory=set)
+    #: Qualified name of the member at a rank, for messages.
+    describe: Callable[[int], str] | None = None
+    #: Restart policy (see RestartPolicy) and how to respawn one rank.
+    restart: RestartPolicy | None = None
+    respawn: Callable[[int], None] | None = None
+    restart_times: list[float] = field(default_factory=list)
+
+    def member(self, rank: int) -> str:
+        """Qualified name of the member at ``rank``."""
+        return self.describe(rank) if self.describe else f"{self.display} rank {rank}>"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart failed members of an actor mesh, like an OTP supervisor.
+
+    At most ``max_restarts`` restarts within any ``within_s`` seconds; one more
+    failure inside that window is escalated to the owner as usual. A member whose
+    proc died gets a fresh proc at the same rank; calls in flight to the failed
+    member fail (at most once), calls made after the restart reach the new one.
+    """
+
+    max_restarts: int = 3
+    within_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if not self.within_s > 0:
+            raise ValueError(f"within_s must be > 0 seconds, got {self.within_s!r}")
 
 
 def default_fault_hook(failure: MeshFailure) -> None:
@@ -105,8 +135,30 @@ def install(runtime: Any) -> None:
     """Attach owner-side supervision to a runtime."""
     runtime.owned_meshes = {}
 
-    def deliver(record: MeshRecord, rank: int, cause: str, actor: str) -> None:
+    def try_restart(record: MeshRecord, rank: int, cause: str) -> bool:
+        policy = record.restart
+        if policy is None or record.respawn is None:
+            return False
+        now = time.monotonic()
+        record.restart_times[:] = [t for t in record.restart_times if now - t < policy.within_s]
+        if len(record.restart_times) >= policy.max_restarts:
+            log.warning("%s failed again: %d restarts within %.0fs, escalating", record.member(rank), policy.max_restarts, policy.within_s)
+            return False
+        record.restart_times.append(now)
+        log.warning("restarting %s after: %s", record.member(rank), cause.splitlines()[-1] if cause else cause)
+        try:
+            record.respawn(rank)
+        except Exception:
+            log.exception("restart of %s failed", record.member(rank))
+            return False
+        return True
+
+    def deliver(record: MeshRecord, rank: int, cause: str, actor: str, source: str | None = None) -> None:
         if rank in record.reported or record.stopped is not None:
+            return
+        if source is not None and rank < len(record.addresses) and record.addresses[rank] != source:
+            return  # a report about an earlier incarnation of a restarted member
+        if try_restart(record, rank, cause):
             return
         record.reported.add(rank)
         record.failed.setdefault(rank, cause)
@@ -120,18 +172,18 @@ def install(runtime: Any) -> None:
             cell.supervise(failure)
 
     def on_failure(env: tuple[Any, ...]) -> None:
-        _, owner, mesh_name, rank, cause, display = env
+        _, owner, mesh_name, rank, cause, display, source = env
         record = runtime.owned_meshes.get(mesh_name)
         if record is None:
             log.warning("failure of unknown mesh %s rank %s: %s", mesh_name, rank, cause)
             return
-        deliver(record, rank, cause, display)
+        deliver(record, rank, cause, display, source)
 
     def on_peer_lost(address: str, reason: str) -> None:
         for record in list(runtime.owned_meshes.values()):
             for rank, addr in enumerate(record.addresses):
                 if addr == address:
-                    deliver(record, rank, reason, f"{record.display}{{rank {rank}}}")
+                    deliver(record, rank, reason, record.member(rank), address)
 
     runtime.on_failure = on_failure
     runtime.on_peer_lost.append(on_peer_lost)
