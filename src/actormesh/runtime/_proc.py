@@ -19,7 +19,7 @@ from typing import Any
 
 from ..config import Config, get_config
 from ..errors import ProtocolError, TransportError
-from ..transport import Connection, Listener, Segment, connect, dumps, listen, new_secret
+from ..transport import Connection, JobTLS, Listener, Segment, connect, dumps, listen, new_secret
 from . import _messages as M
 from ._loop import LoopThread
 from ._routes import LocalRoute, Route
@@ -50,6 +50,7 @@ class ProcRuntime:
         job_dir: str | None = None,
         transport: str | None = None,
         listen_address: str | None = None,
+        tls: JobTLS | None = None,
     ) -> None:
         self.config: Config = get_config()
         self.secret = secret or new_secret()
@@ -61,6 +62,11 @@ class ProcRuntime:
             os.chmod(job_dir, 0o700)
             _job_dirs.append(job_dir)
         self.job_dir = job_dir
+        self.tls = tls
+        if tls is None and self.config.tls and self.transport == "tcp":
+            tls = self.tls = JobTLS.generate()
+        self._server_ssl = tls.server_context(job_dir) if tls else None
+        self._client_ssl = tls.client_context(job_dir) if tls else None
         self.loop_thread = LoopThread(f"actormesh-{name}-io")
         self.loop = self.loop_thread.loop
         self.parent_address = parent_address
@@ -105,6 +111,7 @@ class ProcRuntime:
             on_close=self._on_close,
             max_frame_bytes=self.config.codec_max_frame_length,
             handshake_timeout_s=self.config.handshake_timeout,
+            ssl_context=self._server_ssl if addr.startswith("tcp:") else None,
         )
 
     def in_loop(self) -> bool:
@@ -158,6 +165,7 @@ class ProcRuntime:
                 max_frame_bytes=self.config.codec_max_frame_length,
                 handshake_timeout_s=self.config.handshake_timeout,
                 timeout_s=self.config.connect_timeout,
+                ssl_context=self._client_ssl if route.address.startswith("tcp:") else None,
             )
         except (TransportError, OSError) as exc:
             self.peer_gone(route.address, f"the process at {route.address} is unreachable: {exc}")

@@ -164,6 +164,7 @@ def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[]
                 "cwd": os.getcwd(),
                 "parent_pid": os.getpid(),
                 "bootstrap": blob_fn,
+                "tls": None if runtime.tls is None else [runtime.tls.ca_pem, runtime.tls.cert_pem, runtime.tls.key_pem],
             }
             try:
                 popen = subprocess.Popen(

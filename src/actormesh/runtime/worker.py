@@ -36,7 +36,7 @@ def main() -> None:
         if p not in sys.path:
             sys.path.insert(0, p)
 
-    from ..transport import loads
+    from ..transport import JobTLS, loads
     from . import _context, _spawn
     from ._proc import ProcRuntime
     import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
@@ -61,6 +61,7 @@ def main() -> None:
         job_dir=spec["job_dir"],
         transport=spec["transport"],
         listen_address=spec["address"],
+        tls=JobTLS(*spec["tls"]) if spec.get("tls") else None,
     )
     rt.hello_error = hello_error
     _context.set_runtime(rt)

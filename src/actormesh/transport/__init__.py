@@ -4,6 +4,7 @@ from ._auth import HANDSHAKE_BYTES, Handshake, new_secret
 from ._codec import SerializationError, dumps, loads
 from ._connection import Connection, Listener, connect, listen, parse_address
 from ._frames import FrameDecoder, Segment, encode_frame
+from ._tls import JobTLS
 
 __all__ = [
     "HANDSHAKE_BYTES",
@@ -20,4 +21,5 @@ __all__ = [
     "FrameDecoder",
     "Segment",
     "encode_frame",
+    "JobTLS",
 ]

@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import socket
+import ssl
 import threading
 from collections import deque
 from time import monotonic as _monotonic
@@ -265,6 +266,7 @@ async def listen(
     on_close: CloseHandler,
     max_frame_bytes: int,
     handshake_timeout_s: float,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Listener:
     """Listen on ``unix:/path`` or ``tcp:host:port`` (port 0 picks a free one).
 
@@ -285,7 +287,7 @@ async def listen(
         os.chmod(target, 0o600)  # only our own user may even attempt a handshake
         return Listener(server, address, target)
     host, port = target
-    server = await loop.create_server(make, host, port, reuse_address=True)
+    server = await loop.create_server(make, host, port, reuse_address=True, ssl=ssl_context, ssl_handshake_timeout=handshake_timeout_s if ssl_context else None)
     sock = server.sockets[0]
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
@@ -301,6 +303,7 @@ async def connect(
     max_frame_bytes: int,
     handshake_timeout_s: float,
     timeout_s: float,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Connection:
     """Dial and authenticate, retrying with jittered back-off until ``timeout_s``.
 
@@ -325,7 +328,10 @@ async def connect(
             if scheme == "unix":
                 coro = loop.create_unix_connection(make, target)
             else:
-                coro = loop.create_connection(make, target[0], target[1])
+                coro = loop.create_connection(
+                    make, target[0], target[1], ssl=ssl_context, server_hostname="" if ssl_context else None,
+                    ssl_handshake_timeout=handshake_timeout_s if ssl_context else None,
+                )
             _, conn = await asyncio.wait_for(coro, remaining)
             if scheme == "tcp":
                 sock = conn._transport.get_extra_info("socket") if conn._transport else None
