@@ -143,7 +143,7 @@ def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[]
         runtime.children[address] = child
         runtime.expect_child(address)
         children.append(child)
-    blob_fn = base64.b64encode(b"".join(bytes(s) for s in dumps(bootstrap))).decode() if bootstrap is not None else None
+    blob_fn = base64.b64encode(bytes(dumps(bootstrap, out_of_band=False)[0])).decode() if bootstrap is not None else None
     child_env = dict(os.environ)
     child_env.update(cfg.to_env())
     child_env["ACTORMESH_TRANSPORT_IN_USE"] = runtime.transport

@@ -127,16 +127,17 @@ def _pickler_class() -> type:
     return _torch_pickler
 
 
-def dumps(obj: Any) -> list[Segment]:
+def dumps(obj: Any, *, out_of_band: bool = True) -> list[Segment]:
     """Pickle ``obj`` into segments: stream first, then out-of-band buffers.
 
+    With ``out_of_band=False`` everything is in the one stream segment.
     Raises SerializationError (a TypeError) naming what could not be pickled.
     """
     buffers: list[pickle.PickleBuffer] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
         raw = buf.raw()
-        if raw.nbytes < _OOB_MIN_BYTES:
+        if not out_of_band or raw.nbytes < _OOB_MIN_BYTES:
             return True  # serialise in-band
         buffers.append(buf)
         return False
