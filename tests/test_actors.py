@@ -33,6 +33,13 @@ from actormesh.actor import (
 T = 15  # every .get() is bounded by this many seconds
 
 
+@pytest.fixture(autouse=True)
+def _no_unhandled_faults(faults):  # type: ignore[no-untyped-def]
+    """Nothing in these tests should reach ``unhandled_fault_hook``."""
+    yield
+    assert faults.failures == [], f"unexpected unhandled supervision events: {faults.failures}"
+
+
 # --------------------------------------------------------------------------- actors
 
 
@@ -230,6 +237,49 @@ def test_remote_exception_is_actor_error_matching_original_type_and_actor_surviv
     assert c.incr.call_one().get(timeout=T) == 1
 
 
+class TwoArgError(Exception):
+    """An exception whose constructor does not take its message (a common pattern)."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"code={code} detail={detail}")
+        self.code = code
+        self.detail = detail
+
+
+class Awkward(Actor):
+    @endpoint
+    def unpicklable_result(self) -> object:
+        return threading.Lock()
+
+    @endpoint
+    def raise_two_arg(self) -> None:
+        raise TwoArgError(7, "disk full")
+
+    @endpoint
+    def ok(self) -> str:
+        return "ok"
+
+
+def test_unpicklable_result_is_actor_error_and_actor_survives(spawn_procs):
+    procs = spawn_procs(per_host={"gpus": 1})
+    a = procs.spawn("a", Awkward)
+    with pytest.raises(ActorError) as info:
+        a.unpicklable_result.call_one().get(timeout=T)
+    assert isinstance(info.value, TypeError)
+    assert a.ok.call_one().get(timeout=T) == "ok"
+
+
+def test_exception_with_custom_constructor_reaches_caller_as_actor_error(spawn_procs):
+    """Whatever the exception class, the caller gets an ActorError carrying the remote error text."""
+    procs = spawn_procs(per_host={"gpus": 1})
+    a = procs.spawn("a", Awkward)
+    with pytest.raises(ActorError) as info:
+        a.raise_two_arg.call_one().get(timeout=T)
+    text = str(info.value)
+    assert "TwoArgError" in text and "disk full" in text
+    assert a.ok.call_one().get(timeout=T) == "ok"
+
+
 # --------------------------------------------------------------------------- bootstrap
 
 
@@ -294,6 +344,20 @@ def test_failing_bootstrap_gives_a_clear_error_not_a_hang(spawn_procs):
     with pytest.raises(Exception) as call_info:
         procs.spawn("c", Counter, 0).value.call().get(timeout=T)
     assert not isinstance(call_info.value, TimeoutError)
+
+
+def test_spawn_procs_without_per_host_is_one_proc(spawn_procs):
+    procs = spawn_procs()
+    assert procs.size() == 1 and dict(procs.extent) == {}
+    c = procs.spawn("c", Counter, 1)
+    assert c.incr.call_one().get(timeout=T) == 2
+    assert c.pid.call_one().get(timeout=T) != os.getpid()
+
+
+@pytest.mark.parametrize("per_host", [{"gpus": 0}, {"gpus": -1}, {"gpus": 1.5}, {"gpus": True}])
+def test_spawn_procs_rejects_bad_sizes(per_host):
+    with pytest.raises((ValueError, TypeError)):
+        this_host().spawn_procs(per_host=per_host)
 
 
 def test_bootstrap_must_be_callable():
@@ -425,6 +489,48 @@ def test_duplicate_actor_names_on_one_proc_mesh_are_independent(spawn_procs):
     assert a.value.call_one().get(timeout=T) == 1
 
 
+class Base(Actor):
+    def __init__(self) -> None:
+        self.init_rank = dict(context().actor_instance.rank)
+
+    @endpoint
+    def who(self) -> str:
+        return "base"
+
+    @endpoint
+    def init_rank_seen(self) -> dict[str, int]:
+        return self.init_rank
+
+    @endpoint(explicit_response_port=True)
+    def count_to(self, port, n: int) -> None:  # type: ignore[no-untyped-def]
+        for i in range(n):
+            port.send(i)
+
+
+class Derived(Base):
+    @endpoint
+    def who(self) -> str:
+        return "derived"
+
+    @endpoint(instrument=False)
+    def extra(self, x: int = 1) -> int:
+        return x * 2
+
+
+def test_inherited_and_overridden_endpoints_and_endpoint_options(spawn_procs):
+    procs = spawn_procs(per_host={"gpus": 2})
+    d = procs.spawn("d", Derived)
+    assert d.who.call().get(timeout=T).values() == ["derived", "derived"]
+    assert d.extra.call(x=4).get(timeout=T).values() == [8, 8]
+    assert d.extra.call().get(timeout=T).values() == [2, 2]
+    # context() works in __init__ and gives the spawn rank
+    assert d.init_rank_seen.call().get(timeout=T).values() == [{"gpus": 0}, {"gpus": 1}]
+    # explicit response port: call_one gets the first value sent
+    assert d.slice(gpus=1).count_to.call_one(3).get(timeout=T) == 0
+    with pytest.raises(TypeError):
+        d.count_to.call()  # n missing (the port is not the caller's to pass)
+
+
 # --------------------------------------------------------------------------- execution model
 
 
@@ -438,23 +544,65 @@ def test_async_endpoints_are_serialized_per_actor(spawn_procs):
     assert events == expected
 
 
+class SyncSerial(Actor):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.busy = False
+        self.overlaps = 0
+
+    @endpoint
+    def work(self, who: str) -> None:
+        if self.busy:
+            self.overlaps += 1
+        self.busy = True
+        self.events.append(("enter", who))
+        threading.Event().wait(0.001)  # widen any overlap window (not used for synchronisation)
+        self.events.append(("exit", who))
+        self.busy = False
+
+    @endpoint
+    def report(self) -> tuple[int, list[tuple[str, str]]]:
+        return self.overlaps, list(self.events)
+
+
+class Sender(Actor):
+    @endpoint
+    def hammer(self, target, who: str, n: int) -> None:  # type: ignore[no-untyped-def]
+        futs = [target.work.call_one(who) for _ in range(n)]
+        for f in futs:
+            f.get(timeout=T)
+
+
+def test_sync_actor_handles_one_message_at_a_time_across_senders(spawn_procs):
+    procs = spawn_procs(per_host={"gpus": 3})
+    target = procs.slice(gpus=0).spawn("target", SyncSerial)
+    senders = procs.slice(gpus=slice(1, 3)).spawn("senders", Sender)
+    a = senders.slice(gpus=0).hammer.call_one(target, "a", 30)
+    b = senders.slice(gpus=1).hammer.call_one(target, "b", 30)
+    mine = [target.work.call_one("c") for _ in range(30)]
+    a.get(timeout=T)
+    b.get(timeout=T)
+    for f in mine:
+        f.get(timeout=T)
+    overlaps, events = target.report.call_one().get(timeout=T)
+    assert overlaps == 0
+    assert len(events) == 180
+    for i in range(0, 180, 2):  # every enter is immediately followed by its own exit
+        assert events[i][0] == "enter" and events[i + 1] == ("exit", events[i][1])
+    # per-sender FIFO holds even though senders interleave
+    for who in "abc":
+        assert [e for e in events if e[1] == who] == [("enter", who), ("exit", who)] * 30
+
+
 def test_concurrent_endpoint_calls_overlap():
     """Each call waits for the other to have started: only possible if they overlap."""
-    local_and_remote = []
-
-    def check(mesh):  # type: ignore[no-untyped-def]
-        f0 = mesh.meet.call_one(0)
-        f1 = mesh.meet.call_one(1)
-        assert f0.get(timeout=T) == "0: met"
-        assert f1.get(timeout=T) == "1: met"
-        local_and_remote.append(True)
-
     local = this_proc().spawn("handshake", Handshake)
     try:
-        check(local)
+        f0 = local.meet.call_one(0)
+        f1 = local.meet.call_one(1)
+        assert (f0.get(timeout=T), f1.get(timeout=T)) == ("0: met", "1: met")
     finally:
         local.stop().get(timeout=T)
-    assert local_and_remote == [True]
 
 
 def test_concurrent_endpoint_calls_overlap_in_a_worker(spawn_procs):
@@ -585,13 +733,7 @@ def test_tensors_roundtrip_exactly(spawn_procs):
     # results are independent copies: mutating what came back does not touch the original
     back["float32"].add_(1)
     assert not torch.equal(back["float32"], base)
-
-
-def test_tensor_with_requires_grad_and_parameter_roundtrip(spawn_procs):
-    import torch
-
-    procs = spawn_procs(per_host={"gpus": 1})
-    e = procs.spawn("echo", Echo)
+    # autograd flags and Parameters survive the trip
     t = torch.ones(3, requires_grad=True)
     p = torch.nn.Parameter(torch.zeros(2, 2))
     bt, bp = e.echo.call_one((t, p)).get(timeout=T)
@@ -622,6 +764,90 @@ def test_numpy_arrays_roundtrip_exactly(spawn_procs):
     big = cases[4]
     for got in e2.echo.call(big).get(timeout=T).values():
         np.testing.assert_array_equal(got, big)
+
+
+class Keeper(Actor):
+    """Keeps what it is sent; mutates arguments in place when asked."""
+
+    def __init__(self) -> None:
+        self.kept: object = None
+
+    @endpoint
+    def add_one_in_place(self, x):  # type: ignore[no-untyped-def]
+        x += 1
+        return x
+
+    @endpoint
+    def keep(self, x: object) -> None:
+        self.kept = x
+
+    @endpoint
+    def kept_value(self) -> object:
+        return self.kept
+
+    @endpoint
+    def echo(self, x: object) -> object:
+        return x
+
+
+def _value_semantics_checks(mesh) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    # 1. an endpoint mutating its argument does not touch the caller's object
+    arr = np.zeros(1 << 20, dtype=np.uint8)  # large: goes out of band
+    out = mesh.add_one_in_place.call_one(arr).get(timeout=T)
+    assert int(out.max()) == 1
+    assert int(arr.max()) == 0, "the actor's in-place change reached the caller's array"
+    t = torch.zeros(1 << 18)
+    mesh.add_one_in_place.call_one(t).get(timeout=T)
+    assert float(t.abs().sum()) == 0.0, "the actor's in-place change reached the caller's tensor"
+    # 2. the caller mutating an object after sending it does not change what the actor kept
+    t = torch.zeros(1 << 18)
+    mesh.keep.call_one(t).get(timeout=T)
+    t += 5
+    assert float(mesh.kept_value.call_one().get(timeout=T).abs().sum()) == 0.0
+    # 3. the caller mutating a result does not change the actor's state
+    got = mesh.kept_value.call_one().get(timeout=T)
+    got += 100
+    assert float(mesh.kept_value.call_one().get(timeout=T).abs().sum()) == 0.0
+
+
+def test_same_process_actor_sees_copies_not_aliases():
+    """Arguments and results are serialised even for actors in this process (Monarch §1.1)."""
+    local = this_proc().spawn("keeper", Keeper)
+    try:
+        _value_semantics_checks(local)
+    finally:
+        local.stop().get(timeout=T)
+
+
+def test_remote_actor_sees_copies_not_aliases(spawn_procs):
+    procs = spawn_procs(per_host={"gpus": 1})
+    _value_semantics_checks(procs.spawn("keeper", Keeper))
+
+
+def test_arguments_are_captured_when_the_call_is_made_same_process():
+    """Mutating a buffer right after ``call()`` returns must not change what was sent."""
+    local = this_proc().spawn("keeper", Keeper)
+    try:
+        big = np.zeros(8 << 20, dtype=np.uint8)
+        fut = local.echo.call_one(big)
+        big[:] = 7  # the caller reuses its buffer at once
+        assert int(fut.get(timeout=T).max()) == 0, "same-process actor saw a mutation made after call() returned"
+    finally:
+        local.stop().get(timeout=T)
+
+
+def test_arguments_are_captured_when_the_call_is_made_remote(spawn_procs):
+    """Same for worker processes: the bytes sent are those at call time."""
+    procs = spawn_procs(per_host={"gpus": 2})
+    remote = procs.spawn("keeper", Keeper)
+    for _ in range(4):
+        big = np.zeros(32 << 20, dtype=np.uint8)
+        fut = remote.echo.call(big)
+        big[:] = 7  # the caller reuses its buffer at once
+        for got in fut.get(timeout=T).values():
+            assert int(got.max()) == 0, "remote actor saw a mutation made after call() returned"
 
 
 def test_large_tensor_and_array_bytes_travel_out_of_band():
@@ -698,6 +924,26 @@ def test_configure_persists_until_cleared():
     finally:
         config.clear_runtime_config()
     assert config.get_config() == before
+
+
+class ConfigReader(Actor):
+    @endpoint
+    def settings(self) -> tuple[float, float]:
+        from actormesh.config import get_config
+
+        cfg = get_config()
+        return cfg.cleanup_timeout, cfg.message_delivery_timeout
+
+
+def test_configuration_is_pushed_to_spawned_procs(spawn_procs):
+    from actormesh import config
+
+    with config.configured(cleanup_timeout=1.5, message_delivery_timeout="2m"):
+        procs = spawn_procs(per_host={"gpus": 1})
+    plain = spawn_procs()
+    assert procs.spawn("r", ConfigReader).settings.call_one().get(timeout=T) == (1.5, 120.0)
+    expected = (config.get_config().cleanup_timeout, config.get_config().message_delivery_timeout)
+    assert plain.spawn("r", ConfigReader).settings.call_one().get(timeout=T) == expected
 
 
 def _config_in_subprocess(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -28,6 +28,13 @@ from actormesh.actor import (
 T = 15
 
 
+@pytest.fixture(autouse=True)
+def _no_unhandled_faults(faults):  # type: ignore[no-untyped-def]
+    """Nothing in these tests should reach ``unhandled_fault_hook``."""
+    yield
+    assert faults.failures == [], f"unexpected unhandled supervision events: {faults.failures}"
+
+
 class Worker(Actor):
     def __init__(self) -> None:
         self.hits = 0
@@ -207,6 +214,7 @@ def test_choose_hits_exactly_one_member(spawn_procs):
     n = 30
     results = [w.value.choose().get(timeout=T) for _ in range(n)]
     assert all(r in (1, 2, 3) for r in results)
+    assert len(set(results)) > 1  # random, not always the same member (P(fail) = 3**-29)
     hits = w.hit_count.call().get(timeout=T).values()
     assert sum(hits) == n
     # each reply came from the member that counted the hit
@@ -321,3 +329,52 @@ def test_accumulator_propagates_errors(spawn_procs):
     w = procs.spawn("w", Worker)
     with pytest.raises(KeyError):
         Accumulator(w.fail_on, 0, lambda a, v: a + v).accumulate([0]).get(timeout=T)
+
+
+# --------------------------------------------------------------------------- adverbs used by actors
+
+
+class Driver(Actor):
+    """Uses every adverb on a mesh it was sent, from a sync endpoint."""
+
+    @endpoint
+    def drive(self, w: object) -> tuple[object, ...]:
+        streamed = sorted(f.get(timeout=T) for f in w.rank.stream())
+        total = Accumulator(w.value, 0, lambda a, v: a + v).accumulate().get(timeout=T)
+        port, receiver = Channel.open()
+        send(w.rank, (), {}, port=port)
+        sent = sorted(receiver.recv().get(timeout=T) for _ in range(len(w)))
+        chosen = w.rank.choose().get(timeout=T)
+        w.set.broadcast("from-driver")
+        last = w.get_last.call().get(timeout=T).values()
+        return streamed, total, sent, chosen, last
+
+
+class AsyncDriver(Actor):
+    """The same from an async endpoint, awaiting the futures."""
+
+    @endpoint
+    async def drive(self, w: object) -> tuple[object, ...]:
+        streamed = sorted([await f for f in w.rank.stream()])
+        total = await Accumulator(w.value, 0, lambda a, v: a + v).accumulate()
+        port, receiver = Channel.open()
+        send(w.rank, (), {}, port=port)
+        sent = sorted([await receiver.recv() for _ in range(len(w))])
+        chosen = await w.rank.choose()
+        w.set.broadcast("from-async-driver")
+        last = (await w.get_last.call()).values()
+        return streamed, total, sent, chosen, last
+
+
+@pytest.mark.parametrize("driver_cls", [Driver, AsyncDriver])
+def test_adverbs_from_inside_an_actor(spawn_procs, driver_cls):
+    procs = spawn_procs(per_host={"gpus": 3})
+    w = procs.spawn("w", Worker)
+    driver = procs.slice(gpus=0).spawn("driver", driver_cls)
+    streamed, total, sent, chosen, last = driver.drive.call_one(w).get(timeout=T)
+    assert streamed == [0, 1, 2]
+    assert total == 1 + 2 + 3
+    assert sent == [0, 1, 2]
+    assert chosen in (0, 1, 2)
+    tag = "from-driver" if driver_cls is Driver else "from-async-driver"
+    assert last == [tag] * 3

@@ -30,6 +30,13 @@ from actormesh.actor import (
 T = 15
 
 
+@pytest.fixture(autouse=True)
+def _no_unhandled_faults(faults):  # type: ignore[no-untyped-def]
+    """Nothing in these tests should reach ``unhandled_fault_hook``."""
+    yield
+    assert faults.failures == [], f"unexpected unhandled supervision events: {faults.failures}"
+
+
 class Where(Actor):
     def __init__(self, tag: str = "") -> None:
         self.tag = tag
@@ -61,12 +68,15 @@ class Where(Actor):
         return current_actor_name()
 
     @endpoint
-    def spawn_sibling(self, tag: str) -> tuple[int, str, int]:
+    def spawn_sibling(self, tag: str, stop_it: bool = False) -> tuple[int, str, int]:
         proc = context().actor_instance.proc
         assert isinstance(proc, ProcMesh)
         child = proc.spawn("sibling", Where, tag)
         info = child.ranks.call_one().get(timeout=T)
-        return info["pid"], child.tag_of.call_one().get(timeout=T), len(proc)
+        result = info["pid"], child.tag_of.call_one().get(timeout=T), len(proc)
+        if stop_it:
+            child.stop().get(timeout=T)
+        return result
 
     @endpoint
     def tag_of(self) -> str:
@@ -170,11 +180,20 @@ def test_current_actor_name_is_distinct_per_member(spawn_procs):
 def test_actor_instance_proc_can_spawn_next_to_the_actor(spawn_procs):
     procs = spawn_procs(per_host={"gpus": 2})
     w = procs.spawn("w", Where)
-    results = w.spawn_sibling.call("child").get(timeout=T).values()
+    results = w.spawn_sibling.call("child", stop_it=True).get(timeout=T).values()
     parent_pids = [i["pid"] for i in w.ranks.call().get(timeout=T).values()]
     assert [pid for pid, _, _ in results] == parent_pids
     assert [tag for _, tag, _ in results] == ["child", "child"]
     assert [n for _, _, n in results] == [1, 1]
+
+
+def test_proc_mesh_with_actor_spawned_sibling_stops_promptly(spawn_procs):
+    """Stopping procs where an actor spawned on its own proc must not wait for the stop timeout."""
+    for _ in range(3):
+        procs = spawn_procs(per_host={"gpus": 2})
+        w = procs.spawn("w", Where)
+        assert [tag for _, tag, _ in w.spawn_sibling.call("kid").get(timeout=T).values()] == ["kid", "kid"]
+        procs.stop().get(timeout=5)  # stop_timeout is 10 s: a hang shows up as TimeoutError
 
 
 def test_mesh_passed_to_another_actor_can_be_called(spawn_procs):
@@ -215,6 +234,24 @@ def test_actor_mesh_slicing(spawn_procs):
     neg = w.slice(hosts=-1, gpus=-1)
     assert neg.rank.call_one().get(timeout=T) == 5
 
+    # bad slices are refused
+    with pytest.raises(IndexError):
+        w.slice(gpus=3)
+    with pytest.raises(IndexError):
+        w.slice(hosts=-3)
+    with pytest.raises(TypeError):
+        w.slice(nodes=0)
+    with pytest.raises(TypeError):
+        w.slice(gpus="0")
+    with pytest.raises(ValueError):
+        w.split(gpus=("a", "b"), a=2)  # 3 is not divisible by 2
+    with pytest.raises(ValueError):
+        w.rename(gpus="hosts")  # duplicate label
+    with pytest.raises(ValueError, match="sparse"):
+        w.slice(gpus=slice(0, 3, 2)).flatten("all")
+    # the mesh still works after the rejected attempts
+    assert w.slice(gpus=slice(1, 2)).rank.call().get(timeout=T).values() == [1, 4]
+
 
 def test_actor_mesh_rename_split_flatten(spawn_procs):
     procs = spawn_procs(per_host={"hosts": 2, "gpus": 3})
@@ -237,27 +274,6 @@ def test_actor_mesh_rename_split_flatten(spawn_procs):
     vm = split.ranks.call().get(timeout=T)
     assert vm.item(x=2, y=1)["actor_rank"] == 5
     assert vm.item(x=1, y=0)["message_coords"] == {"x": 1, "y": 0}
-
-
-def test_bad_slices_on_actor_mesh(spawn_procs):
-    procs = spawn_procs(per_host={"hosts": 2, "gpus": 3})
-    w = procs.spawn("w", Where)
-    with pytest.raises(IndexError):
-        w.slice(gpus=3)
-    with pytest.raises(IndexError):
-        w.slice(hosts=-3)
-    with pytest.raises(TypeError):
-        w.slice(nodes=0)
-    with pytest.raises(TypeError):
-        w.slice(gpus="0")
-    with pytest.raises(ValueError):
-        w.split(gpus=("a", "b"), a=2)  # 3 is not divisible by 2
-    with pytest.raises(ValueError):
-        w.rename(gpus="hosts")  # duplicate label
-    with pytest.raises(ValueError, match="sparse"):
-        w.slice(gpus=slice(0, 3, 2)).flatten("all")
-    # the mesh still works after the rejected attempts
-    assert w.slice(gpus=slice(1, 2)).rank.call().get(timeout=T).values() == [1, 4]
 
 
 def test_proc_mesh_slicing_and_spawning_on_a_slice(spawn_procs):
@@ -319,10 +335,7 @@ def test_value_mesh_result_api(spawn_procs):
     assert vm.flatten("r").values() == list(range(6))
     assert vm.rename(hosts="h").item(h=1, gpus=0) == 3
 
-
-def test_value_mesh_from_a_sliced_call(spawn_procs):
-    procs = spawn_procs(per_host={"hosts": 2, "gpus": 3})
-    w = procs.spawn("w", Where)
+    # the result of a call on a slice
     vm = w.slice(gpus=slice(1, 3)).rank.call().get(timeout=T)
     assert dict(vm.extent) == {"hosts": 2, "gpus": 2}
     assert vm.values() == [1, 2, 4, 5]
@@ -358,3 +371,6 @@ def test_point_api():
     assert len(Point(0, Extent([], []))) == 0
     with pytest.raises(IndexError):
         Point(6, e)
+    assert str(e) == "{hosts: 2, gpus: 3}"
+    assert str(p) == "{'hosts': 1/2, 'gpus': 1/3}"
+    assert list(e) == ["hosts", "gpus"] and e.nelements == 6

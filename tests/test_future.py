@@ -18,6 +18,13 @@ from actormesh.actor import Actor, ActorError, Future, endpoint, this_proc
 
 T = 15
 
+
+@pytest.fixture(autouse=True)
+def _no_unhandled_faults(faults):  # type: ignore[no-untyped-def]
+    """Nothing in these tests should reach ``unhandled_fault_hook``."""
+    yield
+    assert faults.failures == [], f"unexpected unhandled supervision events: {faults.failures}"
+
 # Gate events by key; the Gate actor runs in this process, so it sees this dict.
 _EVENTS: dict[str, threading.Event] = {}
 

@@ -122,3 +122,28 @@ def make_actor_error(exc: BaseException, message: str, formatted: str) -> ActorE
     ActorError.__init__(err, exc, message, formatted)
     err.args = getattr(exc, "args", ())
     return err
+
+
+class PortableException:
+    """Pickles an exception without calling its ``__init__`` on the other side.
+
+    Exceptions whose constructor takes other arguments than ``self.args`` do not
+    survive plain pickling; this rebuilds them with ``__new__`` plus their args
+    and attributes, so ``except TheirClass`` still works at the caller.
+    """
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        exc = self.exc
+        return (_rebuild_exception, (type(exc), exc.args, dict(getattr(exc, "__dict__", {}))))
+
+
+def _rebuild_exception(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc

@@ -105,8 +105,8 @@ class ActorMesh(MeshTrait, Generic[T]):
         rt = self._runtime()
         addresses = record.addresses
         port = GatherPort(rt, f"{self._name}.stop", addresses, lambda values: None)
-        for addr in addresses:
-            rt.send(addr, (M.STOP_ACTOR, self._mesh_name, (rt.address, port.port_id)))
+        for i, addr in enumerate(addresses):
+            rt.send(addr, (M.STOP_ACTOR, self._mesh_name, (rt.address, port.port_id), i))
         fut = port.future
         return fut
 

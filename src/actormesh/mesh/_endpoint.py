@@ -29,6 +29,9 @@ R = TypeVar("R")
 A = TypeVar("A")
 
 
+_NO_ARGS = dumps(((), {}))
+
+
 class Endpoint(Generic[R]):
     """An endpoint of an actor mesh (``mesh.method``), with the adverbs."""
 
@@ -47,6 +50,8 @@ class Endpoint(Generic[R]):
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         self._prop.bind_check(args, kwargs)
+        if not args and not kwargs:
+            return _NO_ARGS  # immutable bytes: safe to share between messages
         return dumps((args, kwargs))
 
     def _dead(self) -> str | None:

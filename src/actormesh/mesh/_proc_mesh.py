@@ -272,6 +272,11 @@ _singleton_lock = threading.Lock()
 def _root_get_or_spawn(name: str, Class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActorMesh[Any]:
     with _singleton_lock:
         mesh = _singletons.get(name)
+        if mesh is not None:
+            record = mesh._record
+            if record is not None and record.failed:
+                cause = next(iter(record.failed.values()))
+                raise ValueError(f"Failure on {name}: {cause}")
         if mesh is None:
             mesh = this_proc().spawn(name, Class, *args, **kwargs)  # type: ignore[assignment]
             _singletons[name] = mesh

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import PortableException
 from ..transport import Segment, dumps, loads
 from . import _messages as M
 from ._actor import Context, Instance, MeshFailure, _context, _message_rank, endpoints_of, _overrides
@@ -42,7 +43,7 @@ _SUPERVISE = -2
 def _error_payload(exc: BaseException) -> list[Segment]:
     formatted = "".join(traceback.format_exception(exc))
     try:
-        return dumps((exc, formatted))
+        return dumps((PortableException(exc), formatted))
     except TypeError:
         return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), formatted))
 
@@ -66,6 +67,8 @@ class Cell:
         self.instance: Any = None
         self._endpoints: dict[str, Any] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._post_lock = threading.Lock()
+        self._closed = False
         if is_async:
             self._loop = new_event_loop()
             self._deque: deque[tuple[Any, Any]] = deque()
@@ -81,25 +84,43 @@ class Cell:
     # -- loop thread side ---------------------------------------------------------------
     def post(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
         """Hand a message to the actor (loop thread). Dead actors answer at once."""
-        if self.status in ("failed", "stopped"):
+        with self._post_lock:
+            # A STOP still goes in, so a failed actor's thread gets to end.
+            refuse = self._closed or (self.status in ("failed", "stopped") and env[0] != _STOP)
+            if not refuse:
+                if self.is_async:
+                    self._deque.append((env, payload))
+                else:
+                    self._queue.put((env, payload))
+        if refuse:
             self._refuse(env)
-            return
+        elif self.is_async and self._idle:
+            self._idle = False
+            try:
+                self._loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:
+                pass
+
+    def _close_mailbox(self) -> None:
+        """The actor thread is ending: refuse what is queued and all that comes later."""
+        with self._post_lock:
+            self._closed = True
         if self.is_async:
-            self._deque.append((env, payload))
-            if self._idle:
-                self._idle = False
-                try:
-                    self._loop.call_soon_threadsafe(self._wake)
-                except RuntimeError:
-                    pass
+            while self._deque:
+                self._refuse(self._deque.popleft()[0])
         else:
-            self._queue.put((env, payload))
+            while True:
+                try:
+                    env, _ = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._refuse(env)
 
     def _refuse(self, env: tuple[Any, ...]) -> None:
         if env[0] == M.CALL and env[3] is not None:
             self.runtime.reply(env[3], env[4], M.SUPERVISION, dumps(self.dead_text()))
         elif env[0] == _STOP and env[1] is not None:
-            self.runtime.reply(env[1], 0, M.OK, dumps(None))
+            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
 
     def dead_text(self) -> str:
         """What callers of this dead actor are told."""
@@ -107,13 +128,13 @@ class Cell:
             return f"The actor {self.display} has status: stopped: {self.cause or 'stopped by client'}"
         return f"The actor {self.display} and all its descendants have failed:\n  {self.cause}"
 
-    def stop(self, reply: tuple[str, int] | None) -> None:
-        """Stop after the messages already queued (loop thread)."""
-        self.post((_STOP, reply, None), ())
+    def stop(self, reply: tuple[str, int] | None, index: int = 0) -> None:
+        """Stop after the messages already queued (loop thread); reply as ``index``."""
+        self.post((_STOP, reply, None, index), ())
 
     def request_stop(self, failure: str | None) -> None:
         """Stop (or abort with ``failure``) from the actor's own code."""
-        self.post((_STOP, None, failure), ())
+        self.post((_STOP, None, failure, 0), ())
 
     def supervise(self, failure: MeshFailure) -> None:
         """Deliver a failure of a mesh this actor owns (loop thread)."""
@@ -161,6 +182,12 @@ class Cell:
         return True
 
     def _run_sync(self) -> None:
+        try:
+            self._serve_sync()
+        finally:
+            self._close_mailbox()
+
+    def _serve_sync(self) -> None:
         ok = self._enter()
         get = self._queue.get
         while True:
@@ -246,7 +273,7 @@ class Cell:
         self._cleanup(None)
         self.status = "stopped"
         if env[1] is not None:
-            self.runtime.reply(env[1], 0, M.OK, dumps(None))
+            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
 
     def _stop_owned(self, reason: str) -> None:
         from ._supervision import stop_owned
@@ -284,6 +311,7 @@ class Cell:
         try:
             self._loop.run_until_complete(self._dispatch_async())
         finally:
+            self._close_mailbox()
             self._loop.close()
 
     async def _dispatch_async(self) -> None:
@@ -389,7 +417,7 @@ class Cell:
             return
         self.status = "stopped"
         if env[1] is not None:
-            self.runtime.reply(env[1], 0, M.OK, dumps(None))
+            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
 
 
 class _DropPort:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Generic, TypeVar
 
+from ..errors import PortableException
 from ..transport import dumps
 from . import _messages as M
 from ._future import Future
@@ -53,7 +54,7 @@ class Port(Generic[R]):
         rt = self._rt()
         formatted = "".join(traceback.format_exception(exc))
         try:
-            payload = dumps((exc, formatted))
+            payload = dumps((PortableException(exc), formatted))
         except TypeError:
             payload = dumps((RuntimeError(repr(exc)), formatted))
         rt.send(self._address, (M.REPLY, self._port_id, self._rank or 0, M.ERROR, rt.address), payload)

@@ -21,7 +21,11 @@ __all__ = ["Future"]
 R = TypeVar("R")
 
 _PENDING, _VALUE, _ERROR, _THUNK = 0, 1, 2, 3
-_creating = threading.local()
+_TOKEN = object()
+_new_lock = threading.Lock
+# Guards state changes of all futures: critical sections are a few bytecodes,
+# so one shared lock is cheaper than allocating one per future.
+_guard = threading.Lock()
 
 
 class Future(Generic[R]):
@@ -38,25 +42,20 @@ class Future(Generic[R]):
         print(fut.get(timeout=5))
     """
 
-    __slots__ = ("_state", "_result", "_lock", "_callbacks", "_guard", "__weakref__")
+    __slots__ = ("_state", "_result", "_lock", "_callbacks", "__weakref__")
 
-    def __init__(self) -> None:
-        if not getattr(_creating, "ok", False):
+    def __init__(self, _token: object = None) -> None:
+        if _token is not _TOKEN:
             raise TypeError("Future cannot be constructed directly; it is returned by endpoint adverbs")
         self._state = _PENDING
         self._result: Any = None
-        self._lock = threading.Lock()
+        self._lock = _new_lock()
         self._lock.acquire()
         self._callbacks: list[Callable[[Future[R]], None]] | None = None
-        self._guard = threading.Lock()
 
     @classmethod
     def _create(cls) -> Future[Any]:
-        _creating.ok = True
-        try:
-            return cls()
-        finally:
-            _creating.ok = False
+        return cls(_TOKEN)
 
     @classmethod
     def _completed(cls, value: Any) -> Future[Any]:
@@ -72,7 +71,7 @@ class Future(Generic[R]):
 
     # -- completion (runtime side, any thread) -------------------------------------------
     def _set(self, state: int, result: Any) -> bool:
-        with self._guard:
+        with _guard:
             if self._state != _PENDING:
                 return False
             self._result = result
@@ -95,7 +94,7 @@ class Future(Generic[R]):
         return self._set(_THUNK, thunk)
 
     def _add_done_callback(self, cb: Callable[[Future[R]], None]) -> None:
-        with self._guard:
+        with _guard:
             if self._state == _PENDING:
                 if self._callbacks is None:
                     self._callbacks = []
@@ -111,15 +110,19 @@ class Future(Generic[R]):
     def _outcome(self) -> R:
         state = self._state
         if state == _THUNK:
-            with self._guard:
-                if self._state == _THUNK:
-                    try:
-                        self._result = self._result()
-                        self._state = _VALUE
-                    except BaseException as exc:  # the thunk's error is the call's error
-                        self._result = exc
-                        self._state = _ERROR
-                state = self._state
+            # Run the thunk (unpickling) outside the shared lock; if two observers
+            # race, both compute and the first stored outcome wins for everyone.
+            with _guard:
+                thunk = self._result if self._state == _THUNK else None
+            if thunk is not None:
+                try:
+                    outcome = (_VALUE, thunk())
+                except BaseException as exc:  # the thunk's error is the call's error
+                    outcome = (_ERROR, exc)
+                with _guard:
+                    if self._state == _THUNK and self._result is thunk:
+                        self._state, self._result = outcome
+            state = self._state
         if state == _ERROR:
             raise self._result
         return self._result

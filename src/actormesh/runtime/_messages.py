@@ -6,7 +6,7 @@ Layouts (index 0 is the kind):
 - CALL        (kind, actor, endpoint, reply, msg_index, msg_labels, msg_sizes, sender)
 - REPLY       (kind, port_id, index, status, sender)       status: OK | ERROR | SUPERVISION
 - SPAWN       (kind, actor, rank, spawn_labels, spawn_sizes, owner, reply, mesh_name, display, is_async)
-- STOP_ACTOR  (kind, actor, reply)
+- STOP_ACTOR  (kind, actor, reply, index)
 - STOP_PROC   (kind, reply)
 - HELLO       (kind, address, pid, error)
 - FAILURE     (kind, owner_actor, mesh_name, rank, cause, display, source_address)

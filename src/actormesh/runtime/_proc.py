@@ -248,7 +248,9 @@ class ProcRuntime:
             port, index = env[3], env[4]
         elif kind in (M.SPAWN,):
             port = env[6]
-        elif kind in (M.STOP_ACTOR, M.STOP_PROC, M.SINGLETON):
+        elif kind == M.STOP_ACTOR:
+            port, index = env[2], env[3]
+        elif kind in (M.STOP_PROC, M.SINGLETON):
             port = env[-1]
         if port is not None and port[0] != address:
             self.reply(port, index, M.SUPERVISION, dumps(reason))
@@ -295,9 +297,9 @@ class ProcRuntime:
         elif kind == M.STOP_ACTOR:
             cell = self.actors.get(env[1])
             if cell is not None:
-                cell.stop(env[2])
+                cell.stop(env[2], env[3])
             else:
-                self.reply(env[2], 0, M.OK, dumps(None))
+                self.reply(env[2], env[3], M.OK, dumps(None))
         elif kind == M.STOP_PROC:
             if self.on_stop_proc is not None:
                 self.on_stop_proc(env)

@@ -60,6 +60,10 @@ class Route:
                     if self.dead is not None:
                         reason = self.dead
                     else:
+                        if len(payload) > 1:
+                            # Queued until connected: the caller may reuse its memory
+                            # before then, so the out-of-band buffers are copied.
+                            payload = [payload[0], *(bytearray(s) for s in payload[1:])]
                         self._pending.append((env, payload))
                         if not self.connecting and not self.child:
                             self.connecting = True
@@ -117,7 +121,13 @@ class LocalRoute:
         self._dispatch = dispatch
 
     def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:
-        """Queue for dispatch on the loop thread."""
+        """Queue for dispatch on the loop thread.
+
+        Out-of-band buffers still alias the sender's memory here (no socket in
+        between), so they are copied once: a message is a copy, as across procs.
+        """
+        if len(payload) > 1:
+            payload = [payload[0], *(bytearray(s) for s in payload[1:])]
         self._queue.append((env, payload))
         if not self._scheduled:
             self._scheduled = True

@@ -117,8 +117,8 @@ def stop_owned(runtime: Any, owner: str, reason: str) -> None:
             continue
         record.stopped = reason
         port = GatherPort(runtime, f"{record.name}.stop", record.addresses, lambda values: None)
-        for addr in record.addresses:
-            runtime.send(addr, (M.STOP_ACTOR, record.name, (runtime.address, port.port_id)))
+        for i, addr in enumerate(record.addresses):
+            runtime.send(addr, (M.STOP_ACTOR, record.name, (runtime.address, port.port_id), i))
         futures.append(port.future)
     children = [c for c in getattr(runtime, "children", {}).values() if c.owner == owner]
     if children:
