@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from typing import Any
 
+import psutil
 import pytest
 
 from actormesh.actor import (
@@ -182,6 +186,13 @@ class BadInit(Actor):
         return "pong"
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _timed(fn: Any) -> tuple[Any, float]:
     t0 = time.monotonic()
     try:
@@ -316,6 +327,40 @@ def test_unpicklable_exception_still_reaches_caller_as_actor_error(spawn_procs):
     assert "holds a lock" in str(exc)
     assert took < FAST
     assert w.incr.call_one().get(timeout=T) == 1
+
+
+class Relay(Actor):
+    """Calls another actor and lets its error escape unhandled."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @endpoint
+    def relay_value_error(self, msg: str) -> None:
+        self.inner.raise_value.call_one(msg).get(timeout=T)
+
+    @endpoint
+    def relay_custom_error(self, msg: str) -> None:
+        self.inner.raise_custom.call_one(msg).get(timeout=T)
+
+
+def test_error_relayed_through_an_intermediate_actor_keeps_its_type(spawn_procs):
+    """controller -> relay -> worker raises ValueError; the relay does not catch it.
+    What reaches the controller is still an ActorError that ``except ValueError``
+    catches, and its text names the innermost raising function."""
+    procs = spawn_procs(per_host={"gpus": 2})
+    inner = procs.slice(gpus=1).spawn("inner", Worker)
+    relay = procs.slice(gpus=0).spawn("relay", Relay, inner)
+    exc, took = _timed(lambda: relay.relay_value_error.call_one("relayed twice").get(timeout=T))
+    assert isinstance(exc, ActorError), repr(exc)
+    assert isinstance(exc, ValueError), f"relayed remote ValueError lost its type: {type(exc).__mro__}"
+    assert "deep_helper_raising_value_error" in str(exc)
+    assert "relay_value_error" in str(exc)
+    assert "relayed twice" in str(exc)
+    assert took < FAST
+    with pytest.raises(CustomError):
+        relay.relay_custom_error.call_one("custom relayed").get(timeout=T)
+    assert inner.incr.call_one().get(timeout=T) == 1
 
 
 # --------------------------------------------------------------------------- serialization
@@ -565,6 +610,60 @@ class Parent(Actor):
         return self.handle
 
 
+class AsyncParent(Actor):
+    """Like Parent, with async endpoints and an async ``__supervise__``."""
+
+    def __init__(self, handle: bool) -> None:
+        self.handle = handle
+        self.failures: list[str] = []
+        self.child: Any = None
+
+    @endpoint
+    async def spawn_child(self, where: str) -> str:
+        procs = this_host().spawn_procs(per_host={"gpus": 1}) if where == "host" else context().actor_instance.proc
+        self.child = procs.spawn("child", Child)
+        return await self.child.ping.call_one()
+
+    @endpoint
+    async def crash_child(self, msg: str) -> None:
+        self.child.boom.broadcast(msg)
+
+    @endpoint
+    async def failures_seen(self) -> list[str]:
+        return list(self.failures)
+
+    @endpoint
+    async def alive(self) -> str:
+        return "alive"
+
+    async def __supervise__(self, failure: MeshFailure) -> bool:
+        self.failures.append(f"{failure.mesh_name}|{failure.report()}")
+        return self.handle
+
+
+def test_async_actor_owner_handles_child_failure(spawn_procs, faults):
+    procs = spawn_procs(per_host={"gpus": 1})
+    parent = procs.spawn("aparent", AsyncParent, True)
+    assert parent.spawn_child.call_one("host").get(timeout=T) == "pong"
+    parent.crash_child.call_one("async child broke").get(timeout=T)
+    seen = wait_for(lambda: parent.failures_seen.call_one().get(timeout=T))
+    assert len(seen) == 1 and "async child broke" in seen[0]
+    assert parent.alive.call_one().get(timeout=T) == "alive"
+    assert faults.failures == []
+
+
+def test_async_actor_owner_not_handling_fails_and_reaches_controller(spawn_procs, faults):
+    procs = spawn_procs(per_host={"gpus": 1})
+    parent = procs.spawn("aparent", AsyncParent, False)
+    assert parent.spawn_child.call_one("own_proc").get(timeout=T) == "pong"
+    parent.crash_child.call_one("async child broke, unhandled").get(timeout=T)
+    failures = faults.wait(1)
+    assert failures[0].mesh_name.startswith("aparent")
+    assert "async child broke, unhandled" in failures[0].report()
+    with pytest.raises(SupervisionError, match="have failed"):
+        parent.alive.call_one().get(timeout=T)
+
+
 @pytest.mark.parametrize("where", ["host", "own_proc"])
 def test_actor_owner_handles_child_failure_in_supervise(spawn_procs, faults, where):
     procs = spawn_procs(per_host={"gpus": 1})
@@ -605,3 +704,72 @@ def test_unhandled_child_failure_fails_the_parent_and_reaches_controller(spawn_p
     assert "child broke, nobody handles it" in failure.report()
     with pytest.raises(SupervisionError, match="have failed"):
         parent.alive.call_one().get(timeout=T)
+
+
+# --------------------------------------------------------------------------- the default fault hook
+
+
+UNHANDLED_CONTROLLER = textwrap.dedent(
+    """
+    import os, sys, time
+    from actormesh.actor import Actor, endpoint, this_host
+
+    class W(Actor):
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+        @endpoint
+        def boom(self):
+            raise ValueError("nobody handles this boom")
+
+        @endpoint
+        def slow(self):
+            time.sleep(40)
+            return "slow done"
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    w = procs.spawn("w", W)
+    print(" ".join(str(p) for p in w.pid.call().get(timeout=30).values()), flush=True)
+    w.slice(gpus=0).boom.broadcast()
+    # The main thread is busy waiting on a healthy actor, as controllers usually are.
+    print(w.slice(gpus=1).slow.call_one().get(), flush=True)
+    """
+)
+
+
+def test_default_fault_hook_ends_a_controller_blocked_in_get(tmp_path):
+    """MONARCH_API.md §1.7.1: an unhandled failure at the root prints the report and
+    ends the program (KeyboardInterrupt in the main thread), even while the main
+    thread waits in ``Future.get()`` for something else."""
+    script = tmp_path / "controller.py"
+    script.write_text(UNHANDLED_CONTROLLER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2, line
+        t0 = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the controller was still running 15 s after an unhandled failure")
+        took = time.monotonic() - t0
+        assert proc.returncode != 0
+        assert "slow done" not in out
+        assert "Unhandled actormesh error" in err, err
+        assert "nobody handles this boom" in err
+        assert took < 10.0, f"controller took {took:.1f}s to end"
+        for pid in pids:
+            wait_for(lambda pid=pid: _gone(pid), timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

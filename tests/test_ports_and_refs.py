@@ -141,6 +141,27 @@ class Sender(Actor):
         return [self.receiver.recv().get(timeout=T) for _ in range(n)]
 
 
+class Forwarder(Actor):
+    """Passes a port on to another actor, then sends on it itself."""
+
+    def __init__(self, sender: Any) -> None:
+        self.sender = sender
+
+    @endpoint
+    def forward(self, port: Port[Any], value: Any) -> None:
+        self.sender.send_values.call_one(port, [("via sender", value)]).get(timeout=T)
+        port.send(("via forwarder", value))
+
+
+class Spawner(Actor):
+    """Spawns a mesh and hands the reference back to its caller."""
+
+    @endpoint
+    def make(self, tag: str) -> Any:
+        self.made = context().actor_instance.proc.spawn("made", Target, tag)
+        return self.made
+
+
 class Registry(Actor):
     def __init__(self, label: str) -> None:
         self.label = label
@@ -334,6 +355,25 @@ def test_port_opened_by_an_actor_receives_from_the_controller(spawn_procs):
     for v in ("x", "y", "z"):
         port.send(v)
     assert sender.drain.call_one(3).get(timeout=T) == ["x", "y", "z"]
+
+
+def test_port_passed_on_through_two_actors(spawn_procs):
+    procs = spawn_procs(per_host={"gpus": 2})
+    sender = procs.slice(gpus=1).spawn("sender", Sender)
+    forwarder = procs.slice(gpus=0).spawn("forwarder", Forwarder, sender)
+    port, receiver = Channel.open()
+    forwarder.forward.call_one(port, 9).get(timeout=T)
+    assert [receiver.recv().get(timeout=T) for _ in range(2)] == [("via sender", 9), ("via forwarder", 9)]
+
+
+def test_mesh_returned_from_an_endpoint_is_callable_by_the_caller(spawn_procs):
+    spawner = spawn_procs(per_host={"gpus": 1}).spawn("spawner", Spawner)
+    made = spawner.make.call_one("returned").get(timeout=T)
+    tag, rank, pid = made.whoami.call_one().get(timeout=T)
+    assert tag == "returned"
+    assert made.incr.call_one().get(timeout=T) == 1
+    with pytest.raises(NotImplementedError):
+        made.stop()  # a reference: the spawner owns it
 
 
 def test_one_shot_channel(spawn_procs):

@@ -8,7 +8,9 @@ starts one actor per proc and returns its ActorMesh; the caller owns it.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from typing import Any, TypeVar
 from ..errors import SupervisionError
 from ..runtime import (
     CLIENT_NAME,
+    Actor,
     ChildProc,
     Future,
     GatherPort,
@@ -30,6 +33,8 @@ from ..runtime import (
 )
 from ..transport import dumps
 from ._actor_mesh import RESERVED_NAMES, ActorMesh, member_display
+from ._host_agent import EventPort, agent_mesh
+from ._logs import pump, sink
 from ._shape import Extent, MeshTrait, Shape
 
 __all__ = ["ProcMesh", "HostMesh", "this_host", "this_proc", "get_or_spawn_controller"]
@@ -48,6 +53,8 @@ class _ProcMeshState:
     owner: str = CLIENT_NAME
     addresses: list[str] = field(default_factory=list)
     generation: int = 0
+    #: For procs on remote hosts: (agent address, proc addresses) per host.
+    agents: list[tuple[str, list[str]]] | None = None
 
     def replace(self, rank: int, dead_address: str) -> str:
         """Start a fresh proc at ``rank`` if it still is ``dead_address``; return its address.
@@ -55,7 +62,7 @@ class _ProcMeshState:
         Runs on the loop thread (from supervision), so it never blocks.
         """
         if self.children is None:
-            raise RuntimeError("the controller's own proc cannot be replaced")
+            raise RuntimeError("only procs spawned by this process on its own host can be replaced")
         if self.addresses[rank] != dead_address:
             return self.addresses[rank]  # someone already replaced it
         self.generation += 1
@@ -170,6 +177,8 @@ class ProcMesh(MeshTrait):
         state = self._state
         if state is None:
             raise NotImplementedError("stop() is only available on the proc mesh its spawner holds, not on a reference")
+        if state.agents is not None:
+            return self._stop_remote(state, reason)
         if state.children is None:
             raise RuntimeError("this_proc() is the current process itself; it cannot be stopped")
         if state.stopped is None:
@@ -178,7 +187,58 @@ class ProcMesh(MeshTrait):
                 if record.stopped is None:
                     record.stopped = reason
         rt = current_runtime()
-        return stop_children(rt, state.children, rt.config.stop_timeout)
+        children = state.children
+        fut = stop_children(rt, children, rt.config.stop_timeout)
+        done: Future[None] = Future._create()
+
+        def flushed(_: Any) -> None:
+            # stop() flushes: the last lines of every proc are out before it completes.
+            for c in children:
+                for t in getattr(c, "pumps", ()):
+                    t.join(2.0)
+            sink.flush()
+            done._set_result(None)
+
+        fut._add_done_callback(lambda f: threading.Thread(target=flushed, args=(f,), daemon=True).start())
+        return done
+
+    def _stop_remote(self, state: _ProcMeshState, reason: str) -> Future[None]:
+        rt = current_runtime()
+        if state.stopped is None:
+            state.stopped = reason
+            for record in state.actor_records:
+                if record.stopped is None:
+                    record.stopped = reason
+        futures = [(agent_mesh(agent).stop_procs.call_one(addrs, rt.config.stop_timeout), addrs) for agent, addrs in state.agents or []]
+        done: Future[None] = Future._create()
+
+        def wait() -> None:
+            error: BaseException | None = None
+            for fut, addrs in futures:
+                try:
+                    fut.get(timeout=rt.config.stop_timeout + 10)
+                except BaseException as exc:  # the agent may be gone: its procs died with it
+                    error = error or exc
+                for a in addrs:
+                    rt.loop.call_soon_threadsafe(lambda a=a: rt.peer_gone(a, "the proc was stopped", expected=True))
+            sink.flush()
+            done._set_result(None)
+
+        threading.Thread(target=wait, name="actormesh-stop-remote", daemon=True).start()
+        return done
+
+    async def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = 3, level: int = logging.INFO) -> None:
+        """Forward every proc's stdout/stderr to this controller, prefixed with
+        ``[rank host]``; within ``aggregate_window_sec`` identical lines from many
+        procs collapse into one ``[N similar log lines] ...``. ``level`` sets the
+        Python logging level in the procs."""
+        if aggregate_window_sec is not None and not stream_to_client:
+            raise ValueError("aggregate_window_sec needs stream_to_client=True")
+        if aggregate_window_sec is not None and not aggregate_window_sec > 0:
+            raise ValueError(f"aggregate_window_sec must be > 0, got {aggregate_window_sec!r}")
+        sink.configure(stream_to_client, aggregate_window_sec)
+        if self._state is not None and (self._state.children or self._state.agents):
+            await self.spawn("_logging_level", _LogLevel, level).initialized
 
     @property
     def host_mesh(self) -> HostMesh:
@@ -202,14 +262,36 @@ class ProcMesh(MeshTrait):
         return f"<ProcMesh {self._name} {self._shape.extent}>"
 
 
-class HostMesh(MeshTrait):
-    """Hosts to start procs on. ``this_host()`` is the local machine (extent ``{}``)."""
+class _LogLevel(Actor):
+    """Sets the Python logging level of the proc it runs in."""
 
-    def __init__(self, shape: Shape | None = None) -> None:
-        self._shape = shape or Shape.unity()
+    def __init__(self, level: int) -> None:
+        logging.getLogger().setLevel(level)
+
+
+class HostMesh(MeshTrait):
+    """Hosts to start procs on. ``this_host()`` is the local machine (extent ``{}``);
+    a job's host mesh has a ``hosts`` dimension, one host agent per host."""
+
+    def __init__(self, shape: Shape | None = None, agents: list[str] | None = None) -> None:
+        self._shape = shape or (Shape.row_major(("hosts",), (len(agents),)) if agents else Shape.unity())
+        self._agents = agents
 
     def _new_with_shape(self, shape: Shape) -> HostMesh:
-        return HostMesh(shape)
+        return HostMesh(shape, self._agents)
+
+    @property
+    def initialized(self) -> Future[bool]:
+        """Completes once every host agent answers."""
+        if not self._agents:
+            return Future._completed(True)
+        futs = [agent_mesh(self._agents[self._shape.rank_at(i)]).info.call_one() for i in range(len(self._shape))]
+        done: Future[bool] = Future._create()
+        threading.Thread(target=lambda: done._set_thunk(lambda: [f.get(timeout=60) for f in futs] and True), daemon=True).start()
+        return done
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HostMesh, (self._shape, self._agents))
 
     def spawn_procs(self, per_host: dict[str, int] | None = None, bootstrap: Callable[[], Any] | None = None, name: str | None = None) -> ProcMesh:
         """Start ``per_host`` procs on every host, e.g. ``per_host={"gpus": 4}``.
@@ -235,9 +317,37 @@ class HostMesh(MeshTrait):
         rt = current_runtime()
         me = context().actor_instance
         owner = me.name if me._cell is not None else CLIENT_NAME
-        children = spawn_children(rt, [f"{base}-{i}" for i in range(len(shape))], bootstrap=bootstrap, owner=owner)
+        if self._agents:
+            return self._spawn_remote(rt, shape, per_host, base, bootstrap, owner)
+        names = [f"{base}-{i}" for i in range(len(shape))]
+        host = socket.gethostname()
+
+        def stdio(child: ChildProc, out: Any, err: Any) -> None:
+            who = f"{child.name.rsplit('-', 1)[-1]} {host}"
+            child.pumps = [pump(out, sink.line, who, "stdout"), pump(err, sink.line, who, "stderr")]  # type: ignore[attr-defined]
+
+        children = spawn_children(rt, names, bootstrap=bootstrap, owner=owner, stdio=stdio)
         addresses = [c.address for c in children]
         return ProcMesh(addresses, shape, base, _ProcMeshState(children, bootstrap=bootstrap, owner=owner, addresses=addresses))
+
+    def _spawn_remote(self, rt: Any, shape: Shape, per_host: dict[str, int], base: str, bootstrap: Callable[[], Any] | None, owner: str) -> ProcMesh:
+        per = 1
+        for size in per_host.values():
+            per *= size
+        blob = bytes(dumps(bootstrap, out_of_band=False)[0]) if bootstrap is not None else None
+        port = _event_port(rt)
+        timeout = rt.config.proc_spawn_timeout
+        calls = []
+        for h in range(len(self._shape)):
+            agent = self._agents[self._shape.rank_at(h)]  # type: ignore[index]
+            ranks = range(h * per, (h + 1) * per)
+            names = [f"{base}-{r}" for r in ranks]
+            calls.append((agent, agent_mesh(agent).spawn_procs.call_one(names, [str(r) for r in ranks], blob, port, timeout)))
+        agents: list[tuple[str, list[str]]] = []
+        for agent, fut in calls:
+            agents.append((agent, fut.get(timeout=timeout + 10)))
+        addresses = [a for _, addrs in agents for a in addrs]
+        return ProcMesh(addresses, shape, base, _ProcMeshState(None, bootstrap=bootstrap, owner=owner, addresses=addresses, agents=agents))
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape.extent}>"
@@ -246,6 +356,16 @@ class HostMesh(MeshTrait):
 def this_host() -> HostMesh:
     """The host the current code runs on."""
     return HostMesh()
+
+
+_event_ports: dict[int, EventPort] = {}
+
+
+def _event_port(rt: Any) -> Any:
+    handler = _event_ports.get(id(rt))
+    if handler is None:
+        handler = _event_ports[id(rt)] = EventPort(rt)
+    return handler.port()
 
 
 _this_procs: dict[int, ProcMesh] = {}

@@ -139,7 +139,7 @@ class RDMABuffer:
 
             torch.cuda.synchronize(region.keep.device)  # its bytes must be in memory before anyone reads
         rt = current_runtime()
-        server = ensure_server(rt.secret, registry)
+        server = ensure_server(lambda: current_runtime().secret, registry)
         owner = current_actor_name()
         reg = registry.register(region, owner)
         extras: list[tuple[str, Any]] = []

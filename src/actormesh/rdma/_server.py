@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from ..config import get_config
 from . import _wire as W
@@ -33,8 +34,8 @@ __all__ = ["BulkServer", "ensure_server"]
 class BulkServer:
     """Listening sockets plus their accept threads; lives as long as the process."""
 
-    def __init__(self, secret: bytes, registry: Registry, bind_host: str) -> None:
-        self._secret = secret
+    def __init__(self, secret: Callable[[], bytes], registry: Registry, bind_host: str) -> None:
+        self._secret = secret  # read per connection: a restarted runtime has a new job secret
         self._registry = registry
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._tcp = socket.socket(family, socket.SOCK_STREAM)
@@ -66,7 +67,7 @@ class BulkServer:
         try:
             if kind == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            W.handshake(conn, self._secret, dialer=False, deadline=time.monotonic() + get_config().handshake_timeout)
+            W.handshake(conn, self._secret(), dialer=False, deadline=time.monotonic() + get_config().handshake_timeout)
             session.run()
         except (OSError, W.ConnectionClosed, RDMATimeoutError) as exc:
             log.debug("rdma connection ended: %s", exc)
@@ -222,7 +223,7 @@ _server: BulkServer | None = None
 _server_lock = threading.Lock()
 
 
-def ensure_server(secret: bytes, registry: Registry, bind_host: str | None = None) -> BulkServer:
+def ensure_server(secret: Callable[[], bytes], registry: Registry, bind_host: str | None = None) -> BulkServer:
     """This process's bulk server, started on first use."""
     global _server
     if _server is None:

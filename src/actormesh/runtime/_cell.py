@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import PortableException
+from ..errors import ActorError, PortableException
 from ..transport import Segment, dumps, loads
 from . import _messages as M
 from ._actor import Context, Instance, MeshFailure, _context, _message_rank, endpoints_of, _overrides
@@ -42,6 +42,11 @@ _SUPERVISE = -2
 
 def _error_payload(exc: BaseException) -> list[Segment]:
     formatted = "".join(traceback.format_exception(exc))
+    if isinstance(exc, ActorError):
+        # Relayed from a deeper actor: send the original exception (its type is what
+        # callers catch) with both tracebacks, innermost first.
+        formatted = f"{exc.exception_formatted.rstrip()}\n\nrelayed by:\n{formatted}"
+        exc = exc.exception
     try:
         return dumps((PortableException(exc), formatted))
     except TypeError:

@@ -12,6 +12,7 @@ Layouts (index 0 is the kind):
 - FAILURE     (kind, owner_actor, mesh_name, rank, cause, display, source_address)
 - SINGLETON   (kind, name, reply)                          get_or_spawn_controller lookup at the root
 - PING / PONG (kind,)                                      liveness probe from a spawner and its answer
+- JOIN        (kind, address, hostname, pid)               a host agent announces itself to a controller
 
 ``reply`` is a port reference ``(address, port_id)`` or None. ``owner`` is an actor
 reference ``(address, actor_name)``.
@@ -27,6 +28,7 @@ FAILURE = 6
 SINGLETON = 7
 PING = 8
 PONG = 9
+JOIN = 10
 
 OK = 0
 ERROR = 1

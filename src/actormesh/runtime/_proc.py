@@ -84,6 +84,7 @@ class ProcRuntime:
         self.on_stop_proc: Callable[[Envelope], None] | None = None
         self.on_singleton: Callable[[Envelope, Sequence[Segment]], None] | None = None
         self.on_peer_lost: list[Callable[[str, str], None]] = []
+        self.on_join: list[Callable[[str, str, int], None]] = []
         self.on_hello: Callable[[Connection, Envelope], bool] | None = None
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None
@@ -312,6 +313,9 @@ class ProcRuntime:
         elif kind == M.PING:
             if conn is not None:
                 conn.send([pickle.dumps((M.PONG,), 5)])
+        elif kind == M.JOIN:
+            for hook in list(self.on_join):
+                hook(env[1], env[2], env[3])
         elif kind in (M.HELLO, M.PONG):
             pass
         else:

@@ -103,6 +103,16 @@ def _heartbeat(runtime: Any) -> None:
         runtime.loop.call_later(cfg.heartbeat_interval / 2, _heartbeat, runtime)
 
 
+def _listen_host(address: str, default: str) -> str:
+    from ..transport import parse_address
+
+    try:
+        scheme, target = parse_address(address)
+    except ValueError:
+        return default
+    return target[0] if scheme == "tcp" else default
+
+
 def _install_hello(runtime: Any) -> None:
     if getattr(runtime, "children", None) is not None:
         return
@@ -127,8 +137,22 @@ def _install_hello(runtime: Any) -> None:
     runtime.on_hello = on_hello
 
 
-def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[], Any] | None = None, env: dict[str, str] | None = None, owner: str = "client") -> list[ChildProc]:
-    """Start one worker per name (non-blocking). Messages to them queue until ready."""
+def spawn_children(
+    runtime: Any,
+    names: Sequence[str],
+    *,
+    bootstrap: Callable[[], Any] | None = None,
+    bootstrap_blob: bytes | None = None,
+    env: dict[str, str] | None = None,
+    owner: str = "client",
+    stdio: Callable[[ChildProc, Any, Any], None] | None = None,
+) -> list[ChildProc]:
+    """Start one worker per name (non-blocking). Messages to them queue until ready.
+
+    ``bootstrap_blob`` is an already pickled bootstrap function (a host agent
+    passes it through without unpickling user code). ``stdio(child, out, err)``,
+    when given, receives the child's stdout/stderr pipes (else they are inherited).
+    """
     _install_hello(runtime)
     from ..config import get_config
 
@@ -138,15 +162,20 @@ def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[]
         if runtime.transport == "unix":
             address = f"unix:{os.path.join(runtime.job_dir, f'{name}-{os.urandom(4).hex()}.sock')}"
         else:
-            address = _free_tcp_address(cfg.bind_host)
+            # Children listen on the interface their spawner was reached on.
+            address = _free_tcp_address(_listen_host(runtime.address, cfg.bind_host))
         child = ChildProc(name=name, address=address, owner=owner)
         runtime.children[address] = child
         runtime.expect_child(address)
         children.append(child)
-    blob_fn = base64.b64encode(bytes(dumps(bootstrap, out_of_band=False)[0])).decode() if bootstrap is not None else None
+    if bootstrap is not None:
+        bootstrap_blob = bytes(dumps(bootstrap, out_of_band=False)[0])
+    blob_fn = base64.b64encode(bootstrap_blob).decode() if bootstrap_blob is not None else None
     child_env = dict(os.environ)
     child_env.update(cfg.to_env())
     child_env["ACTORMESH_TRANSPORT_IN_USE"] = runtime.transport
+    if stdio is not None:
+        child_env["PYTHONUNBUFFERED"] = "1"  # lines reach the pipe as they are printed
     if env:
         child_env.update(env)
 
@@ -170,6 +199,8 @@ def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[]
                 popen = subprocess.Popen(
                     [sys.executable, "-m", "actormesh.runtime.worker"],
                     stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE if stdio else None,
+                    stderr=subprocess.PIPE if stdio else None,
                     env=child_env,
                     close_fds=True,
                 )
@@ -182,6 +213,8 @@ def spawn_children(runtime: Any, names: Sequence[str], *, bootstrap: Callable[[]
                 child.exited._set_result(None)
                 continue
             child.popen = popen
+            if stdio is not None:
+                stdio(child, popen.stdout, popen.stderr)
             _watch(runtime, child)
             runtime.loop.call_later(cfg.proc_spawn_timeout, _check_started, runtime, child, cfg.proc_spawn_timeout)
 

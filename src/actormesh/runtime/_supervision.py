@@ -84,10 +84,17 @@ def default_fault_hook(failure: MeshFailure) -> None:
         f"{failure.report()}\n"
     )
     sys.stderr.flush()
-    import _thread
+    import signal
 
     _fatal.set()
-    _thread.interrupt_main()
+    # A real signal aimed at the main thread wakes it even when it is blocked in
+    # Future.get(); Python turns it into KeyboardInterrupt there.
+    try:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+    except (OSError, ValueError, AttributeError):
+        import _thread
+
+        _thread.interrupt_main()
 
 
 _fatal = threading.Event()

@@ -290,6 +290,8 @@ async def listen(
     server = await loop.create_server(make, host, port, reuse_address=True, ssl=ssl_context, ssl_handshake_timeout=handshake_timeout_s if ssl_context else None)
     sock = server.sockets[0]
     bound_host, bound_port = sock.getsockname()[:2]
+    if bound_host in ("0.0.0.0", "::"):
+        bound_host = socket.gethostname()  # a wildcard cannot be dialed: advertise our name
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     return Listener(server, f"tcp:{shown}:{bound_port}", None)
 

@@ -1,0 +1,151 @@
+"""The host agent: one process per host that starts, watches and stops that
+host's procs for a remote controller, and forwards their output and exits.
+
+Run it with ``python -m actormesh.host --address tcp:0.0.0.0:PORT --secret-file F``
+(a scheduler does this on every node), optionally ``--controller tcp:HOST:PORT``
+so that it dials the controller and announces itself. The agent is an actor
+(``HostAgent``, at the fixed name ``host_agent``) in a runtime of its own, so
+the controller talks to it with ordinary endpoint calls over authenticated
+channels. Procs it spawns are its children: they die with it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+from ..runtime import (
+    Actor,
+    ChildProc,
+    Port,
+    current_runtime,
+    endpoint,
+    messages as M,
+    spawn_children,
+    stop_children,
+)
+from ..transport import dumps
+from ._logs import pump
+
+__all__ = ["HostAgent", "AGENT_NAME", "agent_mesh", "serve_agent", "EventPort"]
+
+AGENT_NAME = "host_agent"
+
+
+class HostAgent(Actor):
+    """Spawns and stops procs on its host on behalf of a controller."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, ChildProc] = {}
+        self.events: dict[str, Port[Any]] = {}
+        self._pumps: dict[str, list[threading.Thread]] = {}
+        rt = current_runtime()
+        rt.on_peer_lost.append(self._lost)
+
+    def _lost(self, address: str, reason: str) -> None:
+        port = self.events.pop(address, None)
+        if port is not None:
+            port.send(("exit", address, reason))
+
+    @endpoint
+    def info(self) -> dict[str, Any]:
+        """Hostname, pid, cpu count and address of this agent."""
+        return {"hostname": socket.gethostname(), "pid": os.getpid(), "cpus": os.cpu_count(), "address": current_runtime().address}
+
+    @endpoint
+    def spawn_procs(self, names: list[str], labels: list[str], bootstrap_blob: bytes | None, events: Port[Any], timeout_s: float) -> list[str]:
+        """Start one proc per name; return their addresses once all are ready.
+
+        Output lines and unexpected exits are sent to ``events`` as
+        ``("log", who, stream, line)`` and ``("exit", address, cause)``.
+        """
+        rt = current_runtime()
+        host = socket.gethostname()
+        who_of = dict(zip(names, labels))
+
+        def stdio(child: ChildProc, out: Any, err: Any) -> None:
+            who = f"{who_of.get(child.name, child.name)} {host}"
+
+            def deliver(who: str, stream: str, line: str) -> None:
+                events.send(("log", who, stream, line))
+
+            pump(out, deliver, who, "stdout")
+            pump(err, deliver, who, "stderr")
+
+        children = spawn_children(rt, names, bootstrap_blob=bootstrap_blob, stdio=stdio)
+        for c in children:
+            self.children[c.address] = c
+            self.events[c.address] = events
+        for c in children:
+            c.ready.get(timeout=timeout_s)
+        return [c.address for c in children]
+
+    @endpoint
+    def stop_procs(self, addresses: list[str], timeout_s: float) -> None:
+        """Stop these procs (their actors' ``__cleanup__`` run); kill after ``timeout_s``."""
+        rt = current_runtime()
+        children = [self.children.pop(a) for a in addresses if a in self.children]
+        for c in children:
+            self.events.pop(c.address, None)
+        stop_children(rt, children, timeout_s).get(timeout=timeout_s + 5)
+
+
+class EventPort:
+    """Controller-side handler of an agent's events: logs to the sink, exits to
+    the runtime (so calls waiting on a dead remote proc fail at once)."""
+
+    def __init__(self, runtime: Any) -> None:
+        from ._logs import sink
+
+        self.runtime = runtime
+        self.sink = sink
+        self.port_id = runtime.register_port(self)
+
+    def port(self) -> Port[Any]:
+        return Port(self.runtime.address, self.port_id)
+
+    def deliver(self, env: tuple[Any, ...], payload: Any) -> None:
+        from ..transport import loads
+
+        event = loads(payload)
+        if event[0] == "log":
+            self.sink.line(event[1], event[2], event[3])
+        elif event[0] == "exit":
+            self.runtime.peer_gone(event[1], event[2])
+
+    def peer_lost(self, address: str, reason: str) -> None:
+        pass
+
+
+def agent_mesh(address: str) -> Any:
+    """An actor-mesh reference to the host agent listening at ``address``."""
+    from ._actor_mesh import ActorMesh
+    from ._shape import Extent, Shape
+
+    return ActorMesh(HostAgent, AGENT_NAME, AGENT_NAME, [address], Shape.unity(), f"<host_agent@{address}", Extent((), ()))
+
+
+def serve_agent(address: str, secret: bytes, controller: str | None = None, name: str | None = None) -> Any:
+    """Run a host agent in this process (returns its runtime; serve until it closes).
+
+    With ``controller``, the agent dials it and announces itself (JOIN).
+    """
+    from ..runtime import ProcRuntime
+    from ..runtime._context import set_runtime
+
+    transport = "unix" if address.startswith("unix:") else "tcp"
+    rt = ProcRuntime(secret=secret, name=name or f"host-{socket.gethostname()}", listen_address=address, transport=transport)
+    set_runtime(rt)
+    payload = dumps((HostAgent, (), {}))
+    env = (M.SPAWN, AGENT_NAME, 0, (), (), None, None, AGENT_NAME, f"<host_agent@{rt.address}>", False)
+    rt.send(rt.address, env, payload)
+    if controller:
+        rt.send(controller, (M.JOIN, rt.address, socket.gethostname(), os.getpid()))
+    return rt
+
+
+def join_listener(runtime: Any, on_join: Any) -> None:
+    """Call ``on_join(address, hostname, pid)`` (loop thread) for every agent that dials in."""
+    runtime.on_join.append(on_join)
