@@ -16,6 +16,7 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | cleanup_timeout         | 3.0        | seconds ``__cleanup__`` may run at stop |
 | message_delivery_timeout| 30.0       | seconds before an undeliverable message fails |
 | use_uvloop              | True       | use uvloop for event loops when it is installed |
+| max_cast_fanout         | 16         | casts to more procs than this travel down a tree of procs |
 | tls                     | False      | mutual TLS on a private per-job CA for TCP channels (needs ``cryptography``) |
 | heartbeat_interval      | 0.5        | seconds of silence after which a spawner pings a child proc |
 | heartbeat_timeout       | 3.0        | seconds of silence after which a child proc is declared hung and killed |
@@ -57,6 +58,7 @@ class Config:
     message_delivery_timeout: float = 30.0
     use_uvloop: bool = True
     tls: bool = False
+    max_cast_fanout: int = 16
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
 

@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..errors import SupervisionError
+from ..config import get_config
 from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, messages as M, pick_random
+from ..runtime._cast import split
 from ..transport import dumps
 from ._shape import Shape
 from ._value_mesh import ValueMesh
@@ -58,17 +60,39 @@ class Endpoint(Generic[R]):
         """Why this mesh (view) cannot take calls, if the owner knows it cannot."""
         return self._mesh._status_problem()
 
+    def _tree(self, payload: list[Any], reply: tuple[str, int] | None) -> list[str]:
+        """Cast to the whole view along a tree; return, per member, the address
+        of the top-level subtree root that owes its reply."""
+        mesh = self._mesh
+        rt = mesh._runtime()
+        shape = mesh._shape
+        addrs, nxt = mesh._addresses, rt.seq_out.next
+        members = []
+        for i in range(len(shape)):
+            addr = addrs[shape.rank_at(i)]
+            members.append((i, addr, nxt(addr)))  # numbered by us, before fan-out
+        owed = [""] * len(members)
+        env_head = (M.CAST, mesh._mesh_name, self._prop.name, reply, shape.labels, shape.sizes, rt.address)
+        for chunk in split(members, get_config().max_cast_fanout):
+            root = chunk[0][1]
+            for m in chunk:
+                owed[m[0]] = root
+            rt.send(root, (*env_head, tuple(chunk)), payload)
+        return owed
+
+    def _use_tree(self) -> bool:
+        return len(self._mesh._shape) > get_config().max_cast_fanout
+
     def _cast(self, payload: list[Any], reply: tuple[str, int] | None, indices: range | list[int]) -> None:
         mesh = self._mesh
         rt = mesh._runtime()
         shape = mesh._shape
         labels, sizes = shape.labels, shape.sizes
         actor, ep, addrs = mesh._mesh_name, self._prop.name, mesh._addresses
-        sender = rt.address
         rank_at = shape.rank_at
         send = rt.send
         for i in indices:
-            send(addrs[rank_at(i)], (M.CALL, actor, ep, reply, i, labels, sizes, sender), payload)
+            send(addrs[rank_at(i)], (M.CALL, actor, ep, reply, i, labels, sizes), payload)
 
     def _describe(self, index: int) -> str:
         return self._mesh._member(self._mesh._shape.rank_at(index))
@@ -85,8 +109,14 @@ class Endpoint(Generic[R]):
             return Future._failed(SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what))
         shape = self._mesh._shape
         result_shape = Shape.row_major(shape.labels, shape.sizes)
-        port = GatherPort(self._mesh._runtime(), self._what, self._targets(), lambda values: ValueMesh(result_shape, values), self._describe)
-        self._cast(payload, (port.runtime.address, port.port_id), range(len(shape)))
+        rt = self._mesh._runtime()
+        build = lambda values: ValueMesh(result_shape, values)  # noqa: E731
+        if self._use_tree():
+            port = GatherPort(rt, self._what, [], build, self._describe, expected=len(shape))
+            port.await_addresses(self._tree(payload, (rt.address, port.port_id)))
+            return port.future
+        port = GatherPort(rt, self._what, self._targets(), build, self._describe)
+        self._cast(payload, (rt.address, port.port_id), range(len(shape)))
         return port.future
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
@@ -114,7 +144,7 @@ class Endpoint(Generic[R]):
         rt = mesh._runtime()
         port = OnePort(rt, self._what, addr, lambda _: mesh._member(g))
         shape = mesh._shape
-        rt.send(addr, (M.CALL, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes, rt.address), payload)
+        rt.send(addr, (M.CALL, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes), payload)
         return port.future
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
@@ -136,6 +166,9 @@ class Endpoint(Generic[R]):
         problem = self._dead()
         if problem:
             raise SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what)
+        if self._use_tree():
+            self._tree(payload, None)
+            return
         self._cast(payload, None, range(len(self._mesh._shape)))
 
     def _send(self, args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None, selection: str) -> None:

@@ -3,10 +3,17 @@ user payloads travel as separate segments after them (see transport._frames).
 
 Layouts (index 0 is the kind):
 
-- CALL        (kind, actor, endpoint, reply, msg_index, msg_labels, msg_sizes, sender)
+- CALL        (kind, actor, endpoint, reply, msg_index, msg_labels, msg_sizes, sender, seq)
 - REPLY       (kind, port_id, index, status, sender)       status: OK | ERROR | SUPERVISION
 - SPAWN       (kind, actor, rank, spawn_labels, spawn_sizes, owner, reply, mesh_name, display, is_async)
-- STOP_ACTOR  (kind, actor, reply, index)
+- STOP_ACTOR  (kind, actor, reply, index, sender, seq)
+- CAST        (kind, actor, endpoint, reply, msg_labels, msg_sizes, sender, members)
+              members: ((msg_index, address, seq), ...) of the subtree this node handles
+- REPLY_MULTI (kind, port_id, ((index, status, nseg), ...), sender)  replies of a subtree,
+              their payload segments concatenated in entry order
+
+``(sender, seq)`` of CALL and STOP_ACTOR are appended by ``ProcRuntime.send``
+(see _ordering.py); callers build the envelope without them.
 - STOP_PROC   (kind, reply)
 - HELLO       (kind, address, pid, error)
 - FAILURE     (kind, owner_actor, mesh_name, rank, cause, display, source_address)
@@ -29,6 +36,8 @@ SINGLETON = 7
 PING = 8
 PONG = 9
 JOIN = 10
+CAST = 11
+REPLY_MULTI = 12
 
 OK = 0
 ERROR = 1

@@ -54,24 +54,46 @@ class GatherPort(_PortBase):
     peer that owes reply ``i``.
     """
 
-    def __init__(self, runtime: ProcRuntime, what: str, addresses: Sequence[str], build: Callable[[list[Any]], Any], describe: Callable[[int], str] | None = None) -> None:
+    def __init__(
+        self,
+        runtime: ProcRuntime,
+        what: str,
+        addresses: Sequence[str],
+        build: Callable[[list[Any]], Any],
+        describe: Callable[[int], str] | None = None,
+        expected: int | None = None,
+    ) -> None:
         super().__init__(runtime, what)
         self._describe = describe
-        n = len(addresses)
+        n = len(addresses) if expected is None else expected
         self.future: Future[Any] = Future._create()
         self._replies: list[Any] = [None] * n
         self._missing = n
-        self._addresses = list(addresses)
+        self._addresses = list(addresses) if expected is None else [""] * n
         self._build = build
         self._lock = threading.Lock()
-        for addr in set(addresses):
-            runtime.await_peer(addr, self)
+        if expected is None:
+            for addr in set(addresses):
+                runtime.await_peer(addr, self)
         if n == 0:
             self._finish()
+
+    def await_addresses(self, addresses: Sequence[str]) -> None:
+        """Say which peer owes each reply (for casts whose tree is built after the port)."""
+        self._addresses = list(addresses)
+        for addr in set(addresses):
+            self.runtime.await_peer(addr, self)
 
     def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
         index, status = env[2], env[3]
         self._store(index, (status, payload))
+
+    def deliver_many(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        """The replies of a whole cast subtree in one message (REPLY_MULTI)."""
+        pos = 0
+        for index, status, nseg in env[2]:
+            self._store(index, (status, payload[pos : pos + nseg]))
+            pos += nseg
 
     def _store(self, index: int, item: Any) -> None:
         with self._lock:

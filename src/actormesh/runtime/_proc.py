@@ -22,6 +22,7 @@ from ..errors import ProtocolError, TransportError
 from ..transport import Connection, JobTLS, Listener, Segment, connect, dumps, listen, new_secret
 from . import _messages as M
 from ._loop import LoopThread
+from ._ordering import Reorder, SeqOut
 from ._routes import LocalRoute, Route
 
 log = logging.getLogger("actormesh.runtime")
@@ -29,6 +30,7 @@ log = logging.getLogger("actormesh.runtime")
 __all__ = ["ProcRuntime"]
 
 Envelope = tuple[Any, ...]
+_SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
 _job_dirs: list[str] = []
 
 
@@ -77,6 +79,8 @@ class ProcRuntime:
         self._routes_lock = threading.Lock()
         self._waiting_on: dict[str, set[Any]] = {}
         self._early: dict[str, list[tuple[Envelope, Sequence[Segment]]]] = {}
+        self.seq_out = SeqOut()
+        self._reorder = Reorder(self._release, lambda delay, fn: self.loop.call_later(delay, fn), min(5.0, self.config.message_delivery_timeout))
         self.closed = False
         #: Hooks installed by the cell/spawn modules (keeps this module free of them).
         self.on_spawn: Callable[[Envelope, Sequence[Segment]], None] | None = None
@@ -139,7 +143,13 @@ class ProcRuntime:
         return r
 
     def send(self, address: str, env: Envelope, payload: Sequence[Segment] = ()) -> None:
-        """Send an envelope (and payload segments) to a process. Any thread."""
+        """Send an envelope (and payload segments) to a process. Any thread.
+
+        Actor-directed messages (CALL, STOP_ACTOR) get ``(sender, seq)`` appended:
+        the destination releases them in that order whatever path they took.
+        """
+        if env[0] in _SEQUENCED:
+            env = (*env, self.address, self.seq_out.next(address))
         r = self._routes.get(address)
         if r is None:
             r = self.route(address)
@@ -280,12 +290,8 @@ class ProcRuntime:
 
     def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
         kind = env[0]
-        if kind == M.CALL:
-            cell = self.actors.get(env[1])
-            if cell is not None:
-                cell.post(env, payload)
-            else:
-                self._hold_early(env, payload)
+        if kind in _SEQUENCED:
+            self._reorder.push(env[-2], env[-1], env, payload)
         elif kind == M.REPLY:
             handler = self.ports.get(env[1])
             if handler is not None:
@@ -294,13 +300,13 @@ class ProcRuntime:
             if self.on_spawn is not None:
                 self.on_spawn(env, payload)
             for early_env, early_payload in self._early.pop(env[1], ()):
-                self._dispatch(early_env, early_payload, None)
-        elif kind == M.STOP_ACTOR:
-            cell = self.actors.get(env[1])
-            if cell is not None:
-                cell.stop(env[2], env[3])
-            else:
-                self.reply(env[2], env[3], M.OK, dumps(None))
+                self._release(early_env, early_payload)  # already in order: skip the reorder buffer
+        elif kind == M.CAST:
+            self._cast(env, payload)
+        elif kind == M.REPLY_MULTI:
+            handler = self.ports.get(env[1])
+            if handler is not None:
+                handler.deliver_many(env, payload)
         elif kind == M.STOP_PROC:
             if self.on_stop_proc is not None:
                 self.on_stop_proc(env)
@@ -320,6 +326,26 @@ class ProcRuntime:
             pass
         else:
             log.warning("dropping message of unknown kind %r", kind)
+
+    def _release(self, env: Envelope, payload: Sequence[Segment]) -> None:
+        """A sequenced message whose turn has come (loop thread)."""
+        if env[0] == M.CALL:
+            cell = self.actors.get(env[1])
+            if cell is not None:
+                cell.post(env, payload)
+            else:
+                self._hold_early(env, payload)
+        else:  # STOP_ACTOR
+            cell = self.actors.get(env[1])
+            if cell is not None:
+                cell.stop(env[2], env[3])
+            else:
+                self.reply(env[2], env[3], M.OK, dumps(None))
+
+    def _cast(self, env: Envelope, payload: Sequence[Segment]) -> None:
+        from ._cast import handle_cast
+
+        handle_cast(self, env, payload)
 
     def _hold_early(self, env: Envelope, payload: Sequence[Segment]) -> None:
         """A call for an actor whose spawn message has not arrived yet (it came by

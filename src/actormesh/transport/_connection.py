@@ -321,6 +321,7 @@ async def connect(
     )
     deadline = loop.time() + timeout_s
     delay = 0.005
+    refused_since = 0.0
     last: BaseException | None = None
     while True:
         remaining = deadline - loop.time()
@@ -345,8 +346,11 @@ async def connect(
             raise
         except ConnectionRefusedError as exc:
             if scheme == "unix":
-                # The socket file exists but nobody listens: its process is gone.
-                raise TransportError(f"nothing listens at {address} (its process has exited)") from exc
+                # The socket file exists but nobody listens: its process is gone
+                # (after a short grace for a listener caught between bind and listen).
+                refused_since = refused_since or loop.time()
+                if loop.time() - refused_since > 0.5:
+                    raise TransportError(f"nothing listens at {address} (its process has exited)") from exc
             last = exc
         except (OSError, asyncio.TimeoutError, TransportError) as exc:
             last = exc

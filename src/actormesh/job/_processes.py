@@ -1,0 +1,144 @@
+"""Host agents started as local child processes (``ProcessJob``, and ``SSHJob``'s
+``ssh`` clients): their logs, their liveness while the controller waits for
+them to join, and their end (``terminate``, and at interpreter exit)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+__all__ = ["AgentProcess", "start_agents", "stop_agents", "log_tail", "agent_env"]
+
+_running: set[AgentProcess] = set()
+_lock = threading.Lock()
+
+
+@dataclass(eq=False)
+class AgentProcess:
+    """One local child process that runs (or reaches) a host agent."""
+
+    label: str
+    popen: subprocess.Popen[bytes]
+    log_path: str
+
+    def exit_reason(self) -> str | None:
+        """Why it is gone (with its last log lines), or None while it runs."""
+        code = self.popen.poll()
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"the agent for {self.label} {how}{_tail_block(self.log_path)}"
+
+
+def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for an agent started from this interpreter: this one's, with
+    actormesh importable even from a source checkout, plus ``extra``."""
+    env = dict(os.environ)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
+    return env
+
+
+def start_agents(commands: Sequence[tuple[str, list[str]]], log_dir: str, env: dict[str, str], stdin_data: bytes | None = None) -> list[AgentProcess]:
+    """Start ``(label, argv)`` processes, stdout and stderr to ``log_dir/agent-<i>.log``.
+
+    ``stdin_data`` is written to each one's stdin, which is then closed (how
+    ``ssh`` carries the secret). On a failure to start, those started are stopped.
+    """
+    started: list[AgentProcess] = []
+    try:
+        for i, (label, argv) in enumerate(commands):
+            log_path = os.path.join(log_dir, f"agent-{i}.log")
+            with open(log_path, "wb") as log:
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    close_fds=True,
+                )
+            agent = AgentProcess(label, popen, log_path)
+            with _lock:
+                _running.add(agent)
+            started.append(agent)
+            if stdin_data is not None:
+                _feed(popen.stdin, stdin_data)
+    except BaseException:
+        stop_agents(started)
+        raise
+    return started
+
+
+def _feed(stdin: IO[bytes] | None, data: bytes) -> None:
+    assert stdin is not None
+    try:
+        stdin.write(data)
+        stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once: exit_reason() tells why
+
+
+def stop_agents(agents: Sequence[AgentProcess], grace_s: float = 5.0) -> None:
+    """SIGTERM every agent, SIGKILL those still running after ``grace_s``; reap all."""
+    for a in agents:
+        if a.popen.poll() is None:
+            try:
+                a.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for a in agents:
+        try:
+            a.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            a.popen.kill()
+            a.popen.wait(timeout=5)
+        with _lock:
+            _running.discard(a)
+
+
+def log_tail(path: str, lines: int = 6) -> list[str]:
+    """The last ``lines`` lines of a log file ([] if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+def _tail_block(path: str) -> str:
+    tail = log_tail(path)
+    if not tail:
+        return f" (log: {path})"
+    return f"; last lines of {path}:\n    " + "\n    ".join(tail)
+
+
+def _stop_all_at_exit() -> None:
+    with _lock:
+        agents = list(_running)
+    stop_agents(agents, grace_s=2.0)
+
+
+atexit.register(_stop_all_at_exit)
+
+
+def describe(agents: Sequence[AgentProcess], labels: Any) -> str:
+    """One line per agent in ``labels``: why it has not joined, with its log's tail."""
+    wanted = set(labels)
+    lines = []
+    for a in agents:
+        if a.label in wanted:
+            lines.append("  " + (a.exit_reason() or f"the agent for {a.label} is running but has not joined{_tail_block(a.log_path)}"))
+    return "\n".join(lines)
