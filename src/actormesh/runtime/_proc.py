@@ -155,6 +155,10 @@ class ProcRuntime:
             r = self.route(address)
         r.send(env, payload)
 
+    def messages_sent(self) -> int:
+        """Messages this process has sent to other processes so far (all routes)."""
+        return sum(r.sent for r in list(self._routes.values()) if isinstance(r, Route))
+
     def start_dial(self, route: Route) -> None:
         """Begin connecting a route (any thread)."""
 

@@ -36,7 +36,7 @@ def _payload_bytes(payload: Sequence[Segment]) -> int:
 class Route:
     """Messages to one remote address, over one connection."""
 
-    __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "child")
+    __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "child", "sent")
 
     def __init__(self, runtime: ProcRuntime, address: str, *, child: bool = False) -> None:
         self.address = address
@@ -49,9 +49,12 @@ class Route:
         self.connecting = False
         #: A child proc dials us; we never dial it.
         self.child = child
+        #: Messages handed to this route (for benchmarks and diagnostics).
+        self.sent = 0
 
     def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:
         """Send from any thread; fails the message's reply port if the peer is gone."""
+        self.sent += 1  # not atomic across threads: a statistic, not an invariant
         conn = self.conn
         if conn is None:
             with self._lock:
