@@ -54,9 +54,9 @@ def _payload_rows() -> list[Row]:
 BASE_P50, BASE_P99, BASE_PIPE = ("baseline", "rtt_p50_us"), ("baseline", "rtt_p99_us"), ("baseline", "pipelined_msgs_s")
 
 ROWS: list[Row] = [
-    Row("baseline", "rtt_p50_us", "baseline: uvloop unix-socket ping-pong p50", "µs"),
-    Row("baseline", "rtt_p99_us", "baseline: uvloop unix-socket ping-pong p99", "µs"),
-    Row("baseline", "pipelined_msgs_s", "baseline: uvloop pipelined, 5k in flight", "msg/s", HIGHER),
+    Row("baseline", "rtt_p50_us", "baseline: uvloop unix-socket ping-pong p50 *", "µs"),
+    Row("baseline", "rtt_p99_us", "baseline: uvloop unix-socket ping-pong p99 *", "µs"),
+    Row("baseline", "pipelined_msgs_s", "baseline: uvloop pipelined, 5k in flight *", "msg/s", HIGHER),
     Row("noop", "sync_p50_us", "noop call_one round trip p50 (sync actor)", "µs", target=150, monarch_issue=665, ref=BASE_P50, ref_name="baseline", monarch=True),
     Row("noop", "sync_p99_us", "noop call_one round trip p99 (sync actor)", "µs", ref=BASE_P99, ref_name="baseline", monarch=True),
     Row("noop", "async_p50_us", "noop call_one round trip p50 (async actor)", "µs", target=150, ref=BASE_P50, ref_name="baseline", monarch=True),

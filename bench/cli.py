@@ -142,6 +142,21 @@ def run_one(workload: str, impl: str, python: str, quick: bool, params: dict[str
     return result
 
 
+def _best_baseline(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Merge two baseline runs: lowest latencies, highest rate; both kept in ``runs``."""
+    runs = [r for r in (first, second) if r.get("ok")]
+    if not runs:
+        return first
+    best = dict(runs[0])
+    best["metrics"] = {
+        "rtt_p50_us": min(r["metrics"]["rtt_p50_us"] for r in runs),
+        "rtt_p99_us": min(r["metrics"]["rtt_p99_us"] for r in runs),
+        "pipelined_msgs_s": max(r["metrics"]["pipelined_msgs_s"] for r in runs),
+    }
+    best["runs"] = [{"metrics": r.get("metrics"), "info": r.get("info"), "loadavg_1m_before": r.get("loadavg_1m_before")} for r in (first, second)]
+    return best
+
+
 def monarch_probe(python: str) -> str | None:
     """None if ``python`` can import monarch.actor, else why not."""
     if not Path(python).exists():
@@ -229,6 +244,7 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any], monarch: bool,
     console.print(
         "÷ ref: this figure divided by the baseline row of the same kind (latency: >1 = slower than plain uvloop; "
         "throughput: <1 = fewer per second) or, for tensors, by torch copy_ of the same size. "
+        "* baseline: the better of a run at the start and one at the end of the suite. "
         + ("actormesh advantage: >1 = actormesh better than Monarch measured in this run." if monarch else "")
     )
     if monarch_note:
@@ -307,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"actormesh": run_one(name, "actormesh", sys.executable, args.quick, {}, logdir, args.bytecode_cache)}
         if use_monarch and name in MONARCH_WORKLOADS:
             results[name]["monarch"] = run_one(name, "monarch", args.monarch_python, args.quick, MONARCH_WORKLOADS[name], logdir, args.bytecode_cache)
+    if "baseline" in results and len(selected) > 1:
+        # The floor is measured again at the end and the better figure of the two
+        # runs is the reference: a load spike from elsewhere on a shared machine
+        # should not make actormesh look close to the floor.
+        again = run_one("baseline", "actormesh", sys.executable, args.quick, {}, logdir, args.bytecode_cache)
+        results["baseline"]["actormesh"] = _best_baseline(results["baseline"]["actormesh"], again)
     meta["total_s"] = time.perf_counter() - t0
     meta["loadavg_end"] = os.getloadavg()
     if use_monarch:

@@ -116,7 +116,7 @@ def _own_network_namespace() -> None:
 
     CLONE_NEWNET = 0x40000000
     if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) == 0:
-        os.environ["ACTORMESH_RDMA_BIND_HOST"] = "10.213.7.2"
+        os.environ["ACTORMESH_RDMA_BIND_HOST"] = "198.18.7.2"
 
 
 def test_tcp_across_two_network_namespaces(spawn_procs, monkeypatch):
@@ -136,13 +136,13 @@ def test_tcp_across_two_network_namespaces(spawn_procs, monkeypatch):
     try:
         ip("link", "add", host_end, "type", "veth", "peer", "name", proc_end)
         ip("link", "set", proc_end, "netns", str(pid))
-        ip("addr", "add", "10.213.7.1/30", "dev", host_end)
+        ip("addr", "add", "198.18.7.1/30", "dev", host_end)
         ip("link", "set", host_end, "up")
-        ip("addr", "add", "10.213.7.2/30", "dev", proc_end, inside=True)
+        ip("addr", "add", "198.18.7.2/30", "dev", proc_end, inside=True)
         ip("link", "set", proc_end, "up", inside=True)
         monkeypatch.setenv("ACTORMESH_RDMA_BACKEND", "tcp")  # same kernel: vm would work; force the stream
         buf = o.make.call_one("n", (2 << 20) + 3, 3, seed=12).get(timeout=30)
-        assert buf._handle.tcp[0] == "10.213.7.2"
+        assert buf._handle.tcp[0] == "198.18.7.2"
         dst = torch.empty((2 << 20) + 3, dtype=torch.uint8)
         buf.read_into(dst).get(timeout=20)
         assert buf.backend == "tcp" and crc(dst) == o.crc.call_one("n").get(timeout=10)

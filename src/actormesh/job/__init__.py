@@ -16,6 +16,8 @@ Example::
 from ._errors import JobError
 from ._job import Job, JobState, job_load, job_loads
 from ._local import LocalJob, ProcessJob
+from ._slurm import SlurmJob
+from ._ssh import SSHJob
 
 JobTrait = Job  #: Monarch's name for the base class
 
@@ -26,6 +28,8 @@ __all__ = [
     "JobState",
     "LocalJob",
     "ProcessJob",
+    "SSHJob",
+    "SlurmJob",
     "job_load",
     "job_loads",
 ]

@@ -50,8 +50,9 @@ def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def start_agents(commands: Sequence[tuple[str, list[str]]], log_dir: str, env: dict[str, str], stdin_data: bytes | None = None) -> list[AgentProcess]:
     """Start ``(label, argv)`` processes, stdout and stderr to ``log_dir/agent-<i>.log``.
 
-    ``stdin_data`` is written to each one's stdin, which is then closed (how
-    ``ssh`` carries the secret). On a failure to start, those started are stopped.
+    With ``stdin_data``, it is written to each one's stdin, which stays open:
+    closing it (:func:`stop_agents`, or this process ending) tells an ``ssh``
+    wrapper to stop its agent. On a failure to start, those started are stopped.
     """
     started: list[AgentProcess] = []
     try:
@@ -82,28 +83,43 @@ def _feed(stdin: IO[bytes] | None, data: bytes) -> None:
     assert stdin is not None
     try:
         stdin.write(data)
-        stdin.close()
+        stdin.flush()
     except BrokenPipeError:
         pass  # it died at once: exit_reason() tells why
 
 
 def stop_agents(agents: Sequence[AgentProcess], grace_s: float = 5.0) -> None:
-    """SIGTERM every agent, SIGKILL those still running after ``grace_s``; reap all."""
+    """Stop agents and reap them: close their stdin (an ``ssh`` wrapper's signal to
+    stop) and wait, then SIGTERM, then SIGKILL, ``grace_s`` apart."""
+    waiting = [a for a in agents if a.popen.stdin is not None and not a.popen.stdin.closed]
+    for a in waiting:
+        try:
+            a.popen.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+    _wait_all(waiting, grace_s)
     for a in agents:
         if a.popen.poll() is None:
             try:
                 a.popen.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + grace_s
+    _wait_all(agents, grace_s)
     for a in agents:
-        try:
-            a.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if a.popen.poll() is None:
             a.popen.kill()
             a.popen.wait(timeout=5)
         with _lock:
             _running.discard(a)
+
+
+def _wait_all(agents: Sequence[AgentProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for a in agents:
+        try:
+            a.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def log_tail(path: str, lines: int = 6) -> list[str]:

@@ -1,0 +1,177 @@
+"""Host agents: remote-style host meshes, log forwarding, and hosts in their
+own network namespaces so traffic really crosses interfaces."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from actormesh.actor import Actor, endpoint
+from actormesh.mesh import HostMesh
+from actormesh.runtime import current_runtime
+
+
+class Where(Actor):
+    @endpoint
+    def where(self) -> tuple[int, str]:
+        return (os.getpid(), os.readlink("/proc/self/ns/net"))
+
+    @endpoint
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    @endpoint
+    def ask(self, other) -> list[int]:
+        return [pid for pid, _ in other.where.call().get(timeout=20).values()]
+
+
+def _env_with_tests() -> dict[str, str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """Two host agents on this machine (unix sockets), stopped after the test."""
+    rt = current_runtime()
+    secret = tmp_path / "secret"
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, rt.secret.hex().encode())
+    os.close(fd)
+    procs = []
+    addresses = []
+    try:
+        for i in range(2):
+            p = subprocess.Popen(
+                [sys.executable, "-m", "actormesh.host", "--address", f"unix:{tmp_path}/agent{i}.sock", "--secret-file", str(secret), "--print-address"],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=_env_with_tests(),  # like a real host: user code must be importable there
+            )
+            procs.append(p)
+            addresses.append(p.stdout.readline().strip())
+        yield addresses
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=20)
+
+
+def test_host_mesh_over_agents(agents):
+    hosts = HostMesh(agents=agents)
+    assert hosts.initialized.get(timeout=20)
+    assert dict(hosts.extent) == {"hosts": 2}
+    procs = hosts.spawn_procs(per_host={"gpus": 2})
+    try:
+        assert dict(procs.extent) == {"hosts": 2, "gpus": 2}
+        w = procs.spawn("w", Where)
+        pids = [pid for pid, _ in w.where.call().get(timeout=30).values()]
+        assert len(set(pids)) == 4
+        # procs talk to each other directly, across hosts
+        assert w.slice(hosts=0, gpus=0).ask.call_one(w.slice(hosts=1)).get(timeout=30) == pids[2:]
+        # slicing by host
+        assert [p for p, _ in w.slice(hosts=1).where.call().get(timeout=30).values()] == pids[2:]
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_log_forwarding_prefixes_and_aggregates(agents, capfd):
+    procs = HostMesh(agents=agents).spawn_procs(per_host={"gpus": 2})
+    try:
+        w = procs.spawn("w", Where)
+        asyncio.run(procs.logging_option(stream_to_client=True, aggregate_window_sec=None))
+        w.slice(hosts=1, gpus=0).say.call_one("only-from-rank-2").get(timeout=30)
+        asyncio.run(procs.logging_option(stream_to_client=True, aggregate_window_sec=30))
+        w.say.call("same line everywhere").get(timeout=30)
+    finally:
+        procs.stop().get(timeout=30)  # stop() flushes the aggregation window
+        from actormesh.mesh._logs import sink
+
+        sink.configure(False, None)
+    out = capfd.readouterr().out
+    assert "[2 " in out and "only-from-rank-2" in out
+    assert "[4 similar log lines] same line everywhere" in out
+
+
+_NETNS_CONTROLLER = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    from actormesh import config
+    config.configure(default_transport="tcp", bind_host="198.18.0.1")
+    from actormesh.mesh import HostMesh
+    from actormesh.runtime import current_runtime
+    sys.path.insert(0, sys.argv[1])
+    from test_hosts import Where
+
+    rt = current_runtime()
+    secret = os.path.join(rt.job_dir, "secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, rt.secret.hex().encode()); os.close(fd)
+    agents, addrs = [], []
+    try:
+        for i, ns in enumerate(sys.argv[2:]):
+            p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "actormesh.host", "--address",
+                                  f"tcp:198.18.0.{11 + i}:0", "--secret-file", secret, "--print-address"], stdout=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, PYTHONPATH=sys.argv[1]))
+            agents.append(p)
+            addrs.append(p.stdout.readline().strip())
+        procs = HostMesh(agents=addrs).spawn_procs(per_host={"gpus": 1})
+        w = procs.spawn("w", Where)
+        got = w.where.call().get(timeout=60).values()
+        assert len({ns for _, ns in got} | {os.readlink("/proc/self/ns/net")}) == 3, got
+        assert w.slice(hosts=0).ask.call_one(w.slice(hosts=1)).get(timeout=60) == [got[1][0]]
+        procs.stop().get(timeout=60)
+        print("ok", addrs)
+    finally:
+        for p in agents:
+            p.terminate()
+            p.wait(timeout=30)
+    """
+)
+
+
+def test_agents_in_separate_network_namespaces(tmp_path):
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = f"am{os.getpid() % 100000}"
+    bridge, namespaces = f"{tag}br", [f"{tag}n{i}" for i in range(2)]
+
+    def ip(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+    try:
+        if ip("link", "add", bridge, "type", "bridge").returncode != 0:
+            pytest.skip("cannot create a bridge here")
+        ip("addr", "add", "198.18.0.1/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for i, ns in enumerate(namespaces):
+            if ip("netns", "add", ns).returncode != 0:
+                pytest.skip("cannot create network namespaces here")
+            host_end, ns_end = f"{tag}h{i}", f"{tag}v{i}"
+            for args in (
+                ("link", "add", host_end, "type", "veth", "peer", "name", ns_end),
+                ("link", "set", ns_end, "netns", ns),
+                ("link", "set", host_end, "master", bridge),
+                ("link", "set", host_end, "up"),
+                ("netns", "exec", ns, "ip", "addr", "add", f"198.18.0.{11 + i}/24", "dev", ns_end),
+                ("netns", "exec", ns, "ip", "link", "set", ns_end, "up"),
+                ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
+            ):
+                r = ip(*args)
+                assert r.returncode == 0, (args, r.stderr)
+        script = tmp_path / "controller.py"
+        script.write_text(_NETNS_CONTROLLER)
+        out = subprocess.run([sys.executable, str(script), os.path.dirname(__file__), *namespaces], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.startswith("ok")
+    finally:
+        for ns in namespaces:
+            ip("netns", "del", ns)
+        ip("link", "del", bridge)
