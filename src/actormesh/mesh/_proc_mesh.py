@@ -35,6 +35,7 @@ from ..transport import dumps
 from ._actor_mesh import RESERVED_NAMES, ActorMesh, member_display
 from ._host_agent import EventPort, agent_mesh
 from ._logs import pump, sink
+from ._progress import progress
 from ._shape import Extent, MeshTrait, Shape
 
 __all__ = ["ProcMesh", "HostMesh", "this_host", "this_proc", "get_or_spawn_controller"]
@@ -344,8 +345,10 @@ class HostMesh(MeshTrait):
             names = [f"{base}-{r}" for r in ranks]
             calls.append((agent, agent_mesh(agent).spawn_procs.call_one(names, [str(r) for r in ranks], blob, port, timeout)))
         agents: list[tuple[str, list[str]]] = []
-        for agent, fut in calls:
-            agents.append((agent, fut.get(timeout=timeout + 10)))
+        with progress(f"starting {per * len(calls)} procs on {len(calls)} hosts", len(calls)) as advance:
+            for agent, fut in calls:
+                agents.append((agent, fut.get(timeout=timeout + 10)))
+                advance(1)
         addresses = [a for _, addrs in agents for a in addrs]
         return ProcMesh(addresses, shape, base, _ProcMeshState(None, bootstrap=bootstrap, owner=owner, addresses=addresses, agents=agents))
 
