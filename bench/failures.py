@@ -40,32 +40,17 @@ def _time_to_fail(futures: list, start: float) -> float:
     return last - start
 
 
-def sigkill_trials(n: int) -> list[float]:
-    """Seconds from SIGKILL until every one of 50 pending calls has failed."""
+def signal_trials(sig: int, n: int, pending: int) -> list[float]:
+    """Seconds from sending ``sig`` to a worker until all its ``pending`` calls failed."""
     out = []
     for _ in range(n):
         procs = this_host().spawn_procs(per_host={"gpus": 1})
         s = procs.spawn("s", Sleeper)
         pid = s.pid.call_one().get(timeout=30)
-        pending = [s.wait.call_one() for _ in range(50)]
+        futures = [s.wait.call_one() for _ in range(pending)]
         t = time.perf_counter()
-        os.kill(pid, signal.SIGKILL)
-        out.append(_time_to_fail(pending, t))
-        procs.stop().get(timeout=30)
-    return out
-
-
-def sigstop_trials(n: int) -> list[float]:
-    """Seconds from SIGSTOP until the hung proc's pending calls failed."""
-    out = []
-    for _ in range(n):
-        procs = this_host().spawn_procs(per_host={"gpus": 1})
-        s = procs.spawn("s", Sleeper)
-        pid = s.pid.call_one().get(timeout=30)
-        pending = [s.wait.call_one() for _ in range(5)]
-        t = time.perf_counter()
-        os.kill(pid, signal.SIGSTOP)
-        out.append(_time_to_fail(pending, t))
+        os.kill(pid, sig)
+        out.append(_time_to_fail(futures, t))
         procs.stop().get(timeout=30)
     return out
 
@@ -76,8 +61,8 @@ def main() -> None:
     ap.add_argument("--stop-trials", type=int, default=3)
     args = ap.parse_args()
     am.unhandled_fault_hook = lambda failure: None  # expected failures
-    kill = sigkill_trials(args.trials)
-    stop = sigstop_trials(args.stop_trials)
+    kill = signal_trials(signal.SIGKILL, args.trials, pending=50)
+    stop = signal_trials(signal.SIGSTOP, args.stop_trials, pending=5)  # hung, not dead: heartbeats tell
     rows = {
         "sigkill_to_all_failed_p50_ms": statistics.median(kill) * 1e3,
         "sigkill_to_all_failed_max_ms": max(kill) * 1e3,
