@@ -80,6 +80,7 @@ class ProcRuntime:
         self._waiting_on: dict[str, set[Any]] = {}
         self._early: dict[str, list[tuple[Envelope, Sequence[Segment]]]] = {}
         self.seq_out = SeqOut()
+        self._gone: set[str] = set()
         self._reorder = Reorder(self._release, lambda delay, fn: self.loop.call_later(delay, fn), min(5.0, self.config.message_delivery_timeout))
         self.closed = False
         #: Hooks installed by the cell/spawn modules (keeps this module free of them).
@@ -216,6 +217,9 @@ class ProcRuntime:
             self.undeliverable(env, address, reason)
         for handler in list(self._waiting_on.pop(address, ())):
             handler.peer_lost(address, reason)
+        if address in self._gone:
+            return  # supervision already heard about this peer (e.g. bootstrap failure, then exit)
+        self._gone.add(address)
         for hook in [] if expected else list(self.on_peer_lost):
             try:
                 hook(address, reason)
