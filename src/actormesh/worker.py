@@ -1,4 +1,4 @@
-"""Entry point of a worker process: ``python -m actormesh.runtime.worker``.
+"""Entry point of a worker process: ``python -m actormesh.worker``.
 
 Reads its bootstrap from stdin (a pipe from the parent: the job secret never
 touches argv or the environment), arms the parent-death signal, runs the
@@ -36,9 +36,9 @@ def main() -> None:
         if p not in sys.path:
             sys.path.insert(0, p)
 
-    from ..transport import JobTLS, loads
-    from . import _context, _spawn
-    from ._proc import ProcRuntime
+    from .transport import JobTLS, loads
+    from .runtime import _context, _spawn
+    from .runtime._proc import ProcRuntime
     import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
 
     hello_error = None

@@ -1,6 +1,6 @@
 """Starting, watching and stopping worker processes on this host.
 
-A worker is ``python -m actormesh.runtime.worker``. Its bootstrap (the job
+A worker is ``python -m actormesh.worker``. Its bootstrap (the job
 secret, addresses, settings, an optional bootstrap function) arrives on stdin
 from a pipe, never in argv or the environment. The worker arms
 ``PR_SET_PDEATHSIG`` so it dies with its parent; the parent forks from its
@@ -197,7 +197,7 @@ def spawn_children(
             }
             try:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "actormesh.runtime.worker"],
+                    [sys.executable, "-m", "actormesh.worker"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE if stdio else None,
                     stderr=subprocess.PIPE if stdio else None,
