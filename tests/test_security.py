@@ -80,8 +80,9 @@ def test_many_half_open_connections_do_not_block_real_traffic(spawn_procs):
                 s = _dial(address)
                 s.sendall(b"AMES")  # a few bytes, then silence
                 idle.append(s)
-        for _ in range(200):
-            ping.ping.call_one().get(timeout=10)
+        pid = ping.ping.call_one().get(timeout=10)
+        answers = [ping.ping.call_one().get(timeout=10) for _ in range(200)]
+        assert answers == [pid] * 200
     finally:
         for s in idle:
             s.close()
