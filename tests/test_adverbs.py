@@ -378,3 +378,23 @@ def test_adverbs_from_inside_an_actor(spawn_procs, driver_cls):
     assert chosen in (0, 1, 2)
     tag = "from-driver" if driver_cls is Driver else "from-async-driver"
     assert last == [tag] * 3
+
+
+class _Plain(Actor):
+    @endpoint
+    def ok(self) -> int:
+        return 1
+
+    def helper(self, x: int) -> int:
+        return x * 2
+
+
+def test_plain_methods_need_as_endpoint(spawn_procs):
+    from actormesh.actor import as_endpoint
+
+    m = spawn_procs(per_host={"gpus": 2}).spawn("plain", _Plain)
+    with pytest.raises(RuntimeError, match="not annotated as an endpoint"):
+        m.helper.call(3)
+    assert as_endpoint(m.helper).call(3).get(timeout=T).values() == [6, 6]
+    with pytest.raises(ValueError):
+        as_endpoint(m.ok)

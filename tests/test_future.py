@@ -238,3 +238,15 @@ def test_exception_raised_by_gated_call(gate):
     exc = fut.exception(timeout=T)
     assert isinstance(exc, KeyError)
     assert "gated error" in str(exc)
+
+
+def test_enable_transport_before_and_after_start():
+    from actormesh.actor import enable_transport
+    from actormesh.runtime import current_runtime
+
+    rt = current_runtime()
+    enable_transport("unix" if rt.transport == "unix" else "tcp")  # same: no-op
+    with pytest.raises(RuntimeError, match="already runs"):
+        enable_transport("tcp" if rt.transport == "unix" else "ipc")
+    with pytest.raises(ValueError):
+        enable_transport("carrier-pigeon")

@@ -2,7 +2,7 @@
 
 from ..runtime import hooks as _hooks
 from ._actor_mesh import ActorMesh
-from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, send
+from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, as_endpoint, send
 from ._proc_mesh import HostMesh, ProcMesh, get_or_spawn_controller, install_singleton_handler, proc_mesh_for, this_host, this_proc
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._value_mesh import ValueMesh
@@ -12,6 +12,7 @@ __all__ = [
     "Accumulator",
     "Endpoint",
     "NotAnEndpoint",
+    "as_endpoint",
     "send",
     "HostMesh",
     "ProcMesh",

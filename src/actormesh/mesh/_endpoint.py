@@ -25,7 +25,7 @@ from ._value_mesh import ValueMesh
 if TYPE_CHECKING:
     from ._actor_mesh import ActorMesh
 
-__all__ = ["Endpoint", "Accumulator", "send", "NotAnEndpoint"]
+__all__ = ["Endpoint", "Accumulator", "send", "NotAnEndpoint", "as_endpoint"]
 
 R = TypeVar("R")
 A = TypeVar("A")
@@ -197,6 +197,22 @@ class NotAnEndpoint:
         if name in ("call", "call_one", "choose", "stream", "broadcast"):
             return self
         raise AttributeError(name)
+
+
+def as_endpoint(method: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint[Any]:
+    """Call a plain (non-``@endpoint``) method of a mesh's actors as an endpoint.
+
+    Example: ``as_endpoint(counters.helper).call(3)``. ValueError for anything
+    that is not a plain method looked up on an actor mesh.
+    """
+    if not isinstance(method, NotAnEndpoint):
+        raise ValueError(f"as_endpoint() needs a plain method looked up on an actor mesh (mesh.method), got {method!r}")
+    from ..runtime import EndpointProperty
+
+    fn = getattr(method._mesh._class, method._name)
+    prop = EndpointProperty(fn, explicit_response_port=explicit_response_port, propagate=propagate)
+    prop.name = method._name
+    return Endpoint(method._mesh, prop)
 
 
 def send(endpoint: Endpoint[Any], args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None = None, selection: str = "all") -> None:

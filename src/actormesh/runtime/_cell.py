@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import ActorError, PortableException
 from ..transport import Segment, dumps, loads
 from . import _messages as M
-from ._actor import Context, Instance, MeshFailure, _context, _message_rank, endpoints_of, _overrides
+from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of
 from ._channel import Port
 from ._loop import new_event_loop
 
@@ -214,6 +214,11 @@ class Cell:
 
     def _begin(self, env: tuple[Any, ...]) -> Any:
         prop = self._endpoints.get(env[2])
+        if prop is None:
+            fn = getattr(type(self.instance), env[2], None)
+            if callable(fn) and not env[2].startswith("_") and not isinstance(fn, type):
+                # a plain method called through as_endpoint()
+                prop = self._endpoints[env[2]] = EndpointProperty(fn)
         if prop is None:
             raise AttributeError(f"{type(self.instance).__qualname__} has no endpoint named {env[2]!r}")
         return prop

@@ -15,7 +15,7 @@ from typing import Any
 from ._actor import Context, Instance, _context
 from ._proc import ProcRuntime
 
-__all__ = ["current_runtime", "set_runtime", "context", "shutdown_context", "current_actor_name"]
+__all__ = ["current_runtime", "set_runtime", "context", "shutdown_context", "current_actor_name", "enable_transport"]
 
 _runtime: ProcRuntime | None = None
 _client_context: Context | None = None
@@ -90,3 +90,26 @@ def shutdown_context() -> Any:
         kill_all_children(rt)
         rt.close()
     return Future._completed(None)
+
+
+_TRANSPORT_NAMES = {"tcp": "tcp", "ipc": "unix", "unix": "unix", "TcpWithLocalhost": "tcp", "TcpWithHostname": "tcp", "Unix": "unix"}
+
+
+def enable_transport(transport: Any) -> None:
+    """Choose the channel transport before first use: "unix"/"ipc" (default) or "tcp".
+
+    Enabling the transport already in use is a no-op; a different one after the
+    runtime started raises RuntimeError (Monarch's rule).
+    """
+    from ..config import configure, get_config
+
+    name = _TRANSPORT_NAMES.get(getattr(transport, "name", transport))
+    if name is None:
+        raise ValueError(f"unknown transport {transport!r}; use 'unix' (or 'ipc') or 'tcp'")
+    rt = _runtime
+    if rt is not None:
+        if rt.transport != name:
+            raise RuntimeError(f"the runtime already runs on {rt.transport!r}; enable_transport() must come before any other use")
+        return
+    if get_config().default_transport != name:
+        configure(default_transport=name)
