@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from . import config
 from .errors import ActorError, SupervisionError
+from .job import attach_to_workers, run_worker_loop_forever
 from .mesh import (
     Accumulator,
     ActorMesh,
@@ -80,6 +81,8 @@ __all__ = [
     "SupervisionError",
     "ValueMesh",
     "as_endpoint",
+    "attach_to_workers",
+    "run_worker_loop_forever",
     "concurrent_endpoint",
     "config",
     "context",

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if args.controller:
         rt.on_peer_lost.append(lambda address, reason: stop.set() if address == args.controller else None)
-    stop.wait()
+    while not stop.wait(0.5):  # a timed wait lets the main thread run signal handlers
+        pass
     from .runtime._spawn import kill_all_children
 
     kill_all_children(rt)

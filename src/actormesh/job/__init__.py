@@ -13,8 +13,10 @@ Example::
     job.kill()
 """
 
+from ._attach import attach_to_workers, run_worker_loop_forever
 from ._errors import JobError
 from ._job import Job, JobState, job_load, job_loads
+from ._kubernetes import KubernetesJob
 from ._local import LocalJob, ProcessJob
 from ._slurm import SlurmJob
 from ._ssh import SSHJob
@@ -30,6 +32,9 @@ __all__ = [
     "ProcessJob",
     "SSHJob",
     "SlurmJob",
+    "KubernetesJob",
     "job_load",
     "job_loads",
+    "attach_to_workers",
+    "run_worker_loop_forever",
 ]

@@ -110,12 +110,12 @@ def runtime_with_secret(secret: bytes, purpose: str) -> Any:
     from ..runtime import _context, current_runtime  # private: the runtime takes no secret at start yet
 
     if not runtime_started():
-        original = _context.ProcRuntime
-        _context.ProcRuntime = functools.partial(original, secret=secret)  # type: ignore[misc]
+        original = getattr(_context, "ProcRuntime")
+        setattr(_context, "ProcRuntime", functools.partial(original, secret=secret))
         try:
             rt = current_runtime()
         finally:
-            _context.ProcRuntime = original  # type: ignore[misc]
+            setattr(_context, "ProcRuntime", original)
     else:
         rt = current_runtime()
     if not hmac.compare_digest(rt.secret, secret):

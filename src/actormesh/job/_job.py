@@ -111,9 +111,11 @@ class Job(ABC):
         if client_script is not None:
             raise NotImplementedError("batch mode (apply(client_script=...)) is not supported; run the client script yourself and call state()")
         if self._applied_by is not None:
-            if self._owned_here() and self._is_active():
-                return
-            if not self._owned_here() and self._is_active():
+            if self._owned_here():
+                if self._is_active():
+                    return
+                self._kill()  # release what is left of a broken allocation before a new one
+            elif self._is_active():
                 host, pid = self._applied_by
                 raise JobError(
                     f"{self!r} is running and belongs to the controller that applied it (pid {pid} on {host}); its host agents "
@@ -174,7 +176,7 @@ class Job(ABC):
         """Write :meth:`dumps` to a path (created mode 0600) or a binary file object."""
         data = self.dumps()
         if hasattr(file, "write"):
-            file.write(data)  # type: ignore[union-attr]
+            file.write(data)
             return
         fd = os.open(os.fspath(file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -239,7 +241,7 @@ def job_loads(data: bytes) -> Job:
 def job_load(file: str | os.PathLike[str] | IO[bytes]) -> Job:
     """A job from a file written by :meth:`Job.dump` (only load files you wrote: pickle)."""
     if hasattr(file, "read"):
-        return job_loads(file.read())  # type: ignore[union-attr]
+        return job_loads(file.read())
     with open(os.fspath(file), "rb") as f:
         return job_loads(f.read())
 

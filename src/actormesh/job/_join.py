@@ -22,7 +22,7 @@ from ._progress import Progress
 
 log = logging.getLogger("actormesh.job")
 
-__all__ = ["Slot", "JoinWaiter", "host_of"]
+__all__ = ["Slot", "JoinWaiter", "host_of", "by_pid", "by_host_name"]
 
 
 def host_of(address: str) -> str:
@@ -32,13 +32,27 @@ def host_of(address: str) -> str:
     return address[4:].rsplit(":", 1)[0].strip("[]")
 
 
+Matcher = Callable[[str, str, int], bool]
+
+
+def by_pid(pid: int) -> Matcher:
+    """Matches the agent with this pid (agents that are our own children)."""
+    return lambda address, hostname, agent_pid: agent_pid == pid
+
+
+def by_host_name(name: str) -> Matcher:
+    """Matches an agent whose host name, or address host, has ``name`` as its first label."""
+    short = name.split(".")[0]
+    return lambda address, hostname, pid: short in (hostname.split(".")[0], host_of(address).split(".")[0])
+
+
 @dataclass
 class Slot:
     """One expected host: ``label`` names it in messages; ``matches(address, hostname, pid)``
     tells whether an announcement comes from it."""
 
     label: str
-    matches: Callable[[str, str, int], bool]
+    matches: Matcher
     address: str | None = None
     hostname: str | None = None
 
@@ -108,7 +122,7 @@ class JoinWaiter:
 
     @staticmethod
     def _error(reason: str, what: str, missing: list[Slot], details: Callable[[list[Slot]], str] | None) -> JobError:
-        message = f"{what}: {reason}; not joined: {_names(missing)}"
+        message = f"{what}: not joined: {_names(missing)} ({reason})"
         extra = details(missing) if details is not None else ""
         return JobError(message + (f"\n{extra}" if extra else ""))
 

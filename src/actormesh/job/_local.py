@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
+import glob
 import os
-import shutil
-import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -14,8 +13,8 @@ from ..mesh import this_host
 from ._controller import controller_address, write_secret_file
 from ._errors import JobError
 from ._job import Job, JobState, check_meshes
-from ._join import JoinWaiter, Slot
-from ._processes import AgentProcess, agent_env, describe, start_agents, stop_agents
+from ._join import JoinWaiter, Slot, by_pid
+from ._processes import AgentProcess, agent_env, describe, start_agents, stop_agents, terminate_pids
 
 __all__ = ["LocalJob", "ProcessJob"]
 
@@ -103,7 +102,7 @@ class ProcessJob(Job):
         agents, waiter = self._agents, self._waiter
         if agents is None or waiter is None:
             raise JobError(f"{self!r} was applied by another process; its agents serve that controller only")
-        slots = [Slot(a.label, lambda address, host, pid, a=a: pid == a.popen.pid) for a in agents]
+        slots = [Slot(a.label, by_pid(a.popen.pid)) for a in agents]
 
         def check() -> str | None:
             return next((r for r in (a.exit_reason() for a in agents) if r), None)
@@ -123,11 +122,10 @@ class ProcessJob(Job):
         if self._agents is not None:
             stop_agents(self._agents)
         elif self._applied_by and self._applied_by[0] == socket.gethostname():
-            for pid in self._pids:  # loaded in another process: signal the agents it recorded
-                if _is_agent(pid):
-                    os.kill(pid, signal.SIGTERM)
-        if self._job_dir is not None:
-            shutil.rmtree(self._job_dir, ignore_errors=True)
+            terminate_pids([p for p in self._pids if _is_agent(p)])  # loaded elsewhere: the agents it recorded
+        if self._job_dir is not None:  # the secret goes; the agents' logs stay for the runtime to clean up
+            for path in glob.glob(os.path.join(self._job_dir, "secret-*")):
+                os.unlink(path)
         self._agents = None
 
     def _is_active(self) -> bool:

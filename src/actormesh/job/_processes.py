@@ -8,13 +8,14 @@ import atexit
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-__all__ = ["AgentProcess", "start_agents", "stop_agents", "log_tail", "agent_env"]
+__all__ = ["AgentProcess", "start_agents", "stop_agents", "terminate_pids", "log_tail", "agent_env"]
 
 _running: set[AgentProcess] = set()
 _lock = threading.Lock()
@@ -29,20 +30,28 @@ class AgentProcess:
     log_path: str
 
     def exit_reason(self) -> str | None:
-        """Why it is gone (with its last log lines), or None while it runs."""
+        """``"the agent for H exited with code N"`` once it is gone, else None."""
+        if self.popen.poll() is None:
+            return None
+        return f"the agent for {self.label} {self.status()}"
+
+    def status(self) -> str:
+        """How it stands: exited (code or signal), or running."""
         code = self.popen.poll()
         if code is None:
-            return None
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"the agent for {self.label} {how}{_tail_block(self.log_path)}"
+            return "is running but has not joined"
+        return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for an agent started from this interpreter: this one's, with
-    actormesh importable even from a source checkout, plus ``extra``."""
+    """The environment for agents started from this interpreter: this one's plus
+    ``extra``, with ``PYTHONPATH`` set so that they (and the procs they spawn)
+    import what this controller imports: actormesh, and the modules actor
+    classes live in (classes from ``__main__`` travel by value anyway)."""
     env = dict(os.environ)
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    paths = [pkg_parent, *(p for p in sys.path if p and os.path.isdir(p)), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
     env.update(extra or {})
     return env
 
@@ -113,6 +122,37 @@ def stop_agents(agents: Sequence[AgentProcess], grace_s: float = 5.0) -> None:
             _running.discard(a)
 
 
+def terminate_pids(pids: Sequence[int], grace_s: float = 5.0) -> None:
+    """SIGTERM processes that are not our children, SIGKILL those left after ``grace_s``.
+
+    (A host agent can miss a SIGTERM that lands on a thread other than its main one.)
+    """
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if _exists(p)]
+        if left:
+            time.sleep(0.05)  # polling processes we cannot wait() on; bounded by the deadline
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _wait_all(agents: Sequence[AgentProcess], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for a in agents:
@@ -134,13 +174,6 @@ def log_tail(path: str, lines: int = 6) -> list[str]:
     return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
-def _tail_block(path: str) -> str:
-    tail = log_tail(path)
-    if not tail:
-        return f" (log: {path})"
-    return f"; last lines of {path}:\n    " + "\n    ".join(tail)
-
-
 def _stop_all_at_exit() -> None:
     with _lock:
         agents = list(_running)
@@ -151,10 +184,11 @@ atexit.register(_stop_all_at_exit)
 
 
 def describe(agents: Sequence[AgentProcess], labels: Any) -> str:
-    """One line per agent in ``labels``: why it has not joined, with its log's tail."""
+    """For each agent in ``labels``: how it stands, its log file and the log's last lines."""
     wanted = set(labels)
     lines = []
     for a in agents:
         if a.label in wanted:
-            lines.append("  " + (a.exit_reason() or f"the agent for {a.label} is running but has not joined{_tail_block(a.log_path)}"))
+            lines.append(f"  {a.label}: {a.status()}; log {a.log_path}")
+            lines.extend(f"      {line}" for line in log_tail(a.log_path))
     return "\n".join(lines)

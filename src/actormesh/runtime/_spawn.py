@@ -68,7 +68,7 @@ class ChildProc:
 def _free_tcp_address(host: str) -> str:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
-        port = s.getsockname()[1]
+        host, port = s.getsockname()[:2]  # numeric: what the worker's listener will report
     shown = f"[{host}]" if ":" in host else host
     return f"tcp:{shown}:{port}"
 

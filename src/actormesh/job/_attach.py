@@ -1,0 +1,83 @@
+"""Monarch's ``run_worker_loop_forever`` / ``attach_to_workers``: hosts you start
+yourself (any launcher) and a controller that attaches to them by address.
+
+Both sides take the job secret from the file named by ``ACTORMESH_SECRET_FILE``
+(hex, mode 0600): the workers to authenticate their controller, the controller
+to authenticate to them. Set it in the controller's environment before its
+first actormesh call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from ..mesh import HostMesh
+from ._controller import SECRET_ENV, runtime_with_secret, secret_from_env
+
+__all__ = ["run_worker_loop_forever", "attach_to_workers", "normalize_address"]
+
+_TRUST_ALL = "trust_all_connections"
+
+
+def _check_ca(ca: str, private_key: Any) -> None:
+    if ca != _TRUST_ALL:
+        raise NotImplementedError(f"ca={ca!r} is not supported: only ca={_TRUST_ALL!r} (connections are authenticated with the job secret)")
+    if private_key is not None:
+        raise NotImplementedError("private_key is not supported (connections are authenticated with the job secret)")
+
+
+def normalize_address(address: str) -> str:
+    """``tcp://host:port`` (Monarch's form) or ``tcp:host:port`` -> ``tcp:host:port``; ``unix:/path`` as is."""
+    if not isinstance(address, str):
+        raise TypeError(f"a worker address must be a string like 'tcp://host:port', got {address!r}")
+    m = re.fullmatch(r"tcp:(?://)?(\[[^\]]+\]|[^:\[\]/]+):(\d+)", address)
+    if m:
+        host = m.group(1)
+        if host == "*":
+            raise ValueError(f"wildcard address {address!r}: give the host name or IP the controller should dial")
+        return f"tcp:{host}:{m.group(2)}"
+    if address.startswith("unix:") and len(address) > 5:
+        return "unix:" + address[5:].removeprefix("//")
+    raise ValueError(f"bad worker address {address!r}: expected 'tcp://HOST:PORT' or 'unix:/path'")
+
+
+def run_worker_loop_forever(*, address: str, ca: str = _TRUST_ALL, private_key: Any = None) -> None:
+    """Serve this machine as a host at ``address`` until SIGTERM/SIGINT (never returns).
+
+    Controllers attach with :func:`attach_to_workers`. The job secret is read
+    from ``ACTORMESH_SECRET_FILE``. Example (on each worker machine)::
+
+        ACTORMESH_SECRET_FILE=~/job.secret python -c \\
+            "from actormesh.job import run_worker_loop_forever; run_worker_loop_forever(address='tcp://10.0.0.5:26600')"
+    """
+    _check_ca(ca, private_key)
+    addr = normalize_address(address)
+    secret_from_env("run_worker_loop_forever")  # fail here, with our message, before anything starts
+    import os
+
+    from ..host import main
+
+    main(["--address", addr, "--secret-file", os.environ[SECRET_ENV]])
+
+
+def attach_to_workers(*, workers: Sequence[Any], ca: str = _TRUST_ALL, name: str | None = None, private_key: Any = None) -> HostMesh:
+    """A host mesh ``{hosts: len(workers)}`` of workers started with
+    :func:`run_worker_loop_forever` (addresses, or Futures of addresses).
+
+    Returns at once; ``mesh.initialized.get()`` checks that every worker answers.
+    The job secret comes from ``ACTORMESH_SECRET_FILE``; this process's runtime
+    must not have started with another secret. ``name`` is accepted for
+    Monarch compatibility and unused. Example::
+
+        hosts = attach_to_workers(workers=["tcp://10.0.0.5:26600", "tcp://10.0.0.6:26600"])
+        procs = hosts.spawn_procs(per_host={"gpus": 8})
+    """
+    _check_ca(ca, private_key)
+    if isinstance(workers, str) or not workers:
+        raise ValueError(f"workers must be a non-empty list of addresses like 'tcp://host:port', got {workers!r}")
+    resolved = [w.get(timeout=60) if hasattr(w, "get") else w for w in workers]
+    addresses = [normalize_address(w) for w in resolved]
+    runtime_with_secret(secret_from_env("attach_to_workers"), "attach_to_workers")
+    return HostMesh(agents=addresses)

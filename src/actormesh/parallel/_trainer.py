@@ -1,0 +1,341 @@
+"""The trainer actor: one per proc, the model built and parallelised per a :class:`Plan`.
+
+``spawn_trainer`` gives every proc torchrun's environment, spawns a
+:class:`Trainer` on each, and runs ``setup`` everywhere: build the model on
+the meta device, validate the plan against it, init the process group and the
+``(pp, dp_replicate, dp_shard, tp)`` DeviceMesh, cut out this rank's pipeline
+stages, apply TP / activation checkpointing / compile / FSDP, allocate the
+local shards and load rank 0's seeded weights into them
+(``set_model_state_dict(..., broadcast_from_rank0=True)``), then DDP and the
+pipeline schedule where the plan asks for them.
+
+Every endpoint is collective: call it on the whole mesh (``.call()``), never
+on a slice, or the other ranks' collectives wait for the missing ones.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+from ..mesh import ActorMesh, ProcMesh
+from ..runtime import Actor, endpoint
+from ._pipeline import build_schedule, cut_to_stage, stage_ids
+from ._plan import Plan, PlanError
+
+__all__ = ["Trainer", "spawn_trainer", "gather_state_dict"]
+
+Batch = Sequence[Any]  # (inputs, targets)
+
+
+class Trainer(Actor):
+    """Holds this rank's model chunk(s), optimizer(s) and pipeline schedule.
+
+    Endpoints (call them on the whole mesh): ``setup()``, ``step(batch) -> loss``,
+    ``state_dict()``, ``load_state_dict(sd)``, ``save(path)``, ``load(path)``, ``info()``.
+    """
+
+    def __init__(self, model_fn: Callable[[], Any], loss_fn: Callable[[Any, Any], Any], optimizer_fn: Callable[[Any], Any],
+                 plan: Plan, stages: Sequence[range] | None = None, seed: int = 0, pg_timeout_s: float = 600.0) -> None:
+        self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
+        self.plan, self.stage_ranges, self.seed, self.pg_timeout_s = plan, stages, seed, pg_timeout_s
+        self.chunks: list[Any] = []
+        self.optimizers: list[Any] = []
+        self.schedule: Any = None
+        self.stages: list[Any] = []
+        self.steps = 0
+        self.device: Any = None
+        self.owns_process_group = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _validate(self) -> list[range] | None:
+        """Check the plan against the model, on meta, before any collective (so all ranks fail alike)."""
+        import torch
+
+        from ._pipeline import check_stages, count_blocks, equal_stages
+        from ._tp import check_tp, resolve_tp_plan
+
+        plan = self.plan
+        plan.check_world(int(os.environ["WORLD_SIZE"]))
+        with torch.device("meta"):
+            probe = self.model_fn()
+        if not isinstance(probe, torch.nn.Module):
+            raise PlanError(f"model_fn must return a torch.nn.Module, got {type(probe).__name__}")
+        n_blocks = count_blocks(probe)
+        plan.check_blocks(n_blocks)
+        if plan.tp > 1:
+            tp_plan = resolve_tp_plan(probe, plan.tp_plan)
+            if isinstance(tp_plan, dict):
+                if not tp_plan:
+                    raise PlanError(f"tp={plan.tp} but the tensor-parallel plan matches no module of the model: check the names in Plan(tp_plan=...)")
+                check_tp(probe, tp_plan, plan.tp)
+        if plan.pp == 1:
+            return None
+        assert n_blocks is not None
+        if self.stage_ranges is None:
+            return equal_stages(n_blocks, plan.n_stages)
+        return check_stages(self.stage_ranges, n_blocks, plan.n_stages)
+
+    @endpoint
+    def setup(self) -> dict[str, Any]:
+        """Build, parallelise and initialise the model; returns :meth:`info`."""
+        import warnings
+
+        import torch
+
+        from ..spmd import init_process_group
+        from ._apply import world_mesh, wrap_ddp
+
+        # FSDP2 warns when a module returns a view (TP's replicated logits are one);
+        # the trainer never modifies outputs in place, so the warning is noise here.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        ranges = self._validate()
+        plan = self.plan
+        if torch.distributed.is_initialized():
+            raise RuntimeError("this proc already has a torch.distributed process group (another trainer or SPMD actor "
+                               "on these procs?): stop it before spawning a trainer here")
+        init_process_group(timeout_s=self.pg_timeout_s)  # on CUDA also selects cuda:LOCAL_RANK
+        self.owns_process_group = True
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.rank = torch.distributed.get_rank()
+        self.mesh = mesh = world_mesh(plan, self.device.type)
+        coord = {name: mesh[name].get_local_rank() for name in ("pp", "dp_replicate", "dp_shard", "tp")}
+        self.dp_rank = coord["dp_replicate"] * plan.fsdp + coord["dp_shard"]
+        self.tp_rank = coord["tp"]
+        self.stage_ids = stage_ids(coord["pp"], plan) if ranges is not None else [0]
+        self._build_chunks(ranges)
+        if plan.uses_ddp:
+            self.chunks[0] = wrap_ddp(self.chunks[0], plan, mesh, self.device)
+        self.optimizers = [self.optimizer_fn(chunk.parameters()) for chunk in self.chunks]
+        if ranges is not None:
+            from torch.distributed.pipelining import PipelineStage
+
+            group = mesh["pp"].get_group()
+            self.stages = [PipelineStage(chunk, sid, plan.n_stages, self.device, group=group) for sid, chunk in zip(self.stage_ids, self.chunks)]
+            self.schedule = build_schedule(self.stages, plan, self.loss_fn)
+        return self._info()
+
+    def _build_chunks(self, ranges: list[range] | None) -> None:
+        """This rank's stages, parallelised on meta, materialised, loaded with rank 0's seeded weights."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from ._apply import materialize, parallelize_chunk
+
+        plan = self.plan
+        torch.manual_seed(self.seed)
+        for sid in self.stage_ids:
+            with torch.device("meta"):
+                chunk = self.model_fn()
+            if ranges is not None:
+                cut_to_stage(chunk, ranges[sid], sid == 0, sid == plan.n_stages - 1)
+            parallelize_chunk(chunk, plan, self.mesh)
+            materialize(chunk, self.device)
+            self.chunks.append(chunk)
+        full: dict[str, Any] = {}
+        if self.rank == 0:  # the seeded full model, as a single process would build it
+            torch.manual_seed(self.seed)
+            full = self.model_fn().state_dict()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        for chunk in self.chunks:  # a copy each time: torch consumes the dict's entries
+            set_model_state_dict(chunk, dict(full), options=options)
+
+    # --------------------------------------------------------------- training
+
+    @endpoint
+    def step(self, batch: Batch) -> float:
+        """One optimisation step on the global ``batch = (inputs, targets)``; returns its mean loss.
+
+        Each data-parallel rank takes its contiguous ``1/(dp*fsdp)`` of the
+        batch; a pipeline splits that into microbatches. Every rank returns the
+        same loss (averaged over data-parallel ranks).
+        """
+        import torch
+        import torch.distributed as dist
+
+        if self.device is None:
+            raise RuntimeError("step() before setup(): use actormesh.parallel.spawn_trainer, which runs setup")
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(f"step(batch) expects (inputs, targets), got {type(batch).__name__}")
+        inputs, targets = batch
+        self.plan.check_batch(int(inputs.shape[0]))
+        n = inputs.shape[0] // self.plan.dp_size
+        part = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+        x, y = inputs[part].to(self.device), targets[part].to(self.device)
+        has_loss = True
+        if self.schedule is None:
+            loss = self.loss_fn(self.chunks[0](x), y)
+            loss.backward()
+            value = float(loss.detach())
+        else:
+            first = any(s.is_first for s in self.stages)
+            has_loss = any(s.is_last for s in self.stages)
+            losses: list[Any] = []
+            kwargs = {"target": y, "losses": losses} if has_loss else {}
+            self.schedule.step(*((x,) if first else ()), **kwargs)
+            value = float(torch.stack([mb.detach().float() for mb in losses]).mean()) if has_loss else 0.0
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        total = torch.tensor([value if has_loss else 0.0, 1.0 if has_loss else 0.0], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _state(self) -> dict[str, Any]:
+        """Sharded model + optimizer state keyed by the full model's names (DCP's format)."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for chunk, opt in zip(self.chunks, self.optimizers):
+            model.update(get_model_state_dict(chunk))
+            optim.update(get_optimizer_state_dict(chunk, opt, options=flat))
+        return {"model": model, "optim": optim, "steps": torch.tensor(self.steps)}
+
+    @endpoint
+    def save(self, path: str) -> None:
+        """Write model, optimizer and step count with ``torch.distributed.checkpoint`` (every rank its shards)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=path)
+
+    @endpoint
+    def load(self, path: str) -> int:
+        """Load a checkpoint written by :meth:`save` under *any* plan (DCP reshards); returns the step count."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=path)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        for chunk, opt in zip(self.chunks, self.optimizers):
+            set_model_state_dict(chunk, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(chunk, opt, state["optim"], options=flat)
+        self.steps = int(state["steps"])
+        return self.steps
+
+    @endpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Full (unsharded) model weights on CPU, by the full model's names.
+
+        Each pipeline stage's weights come back once, from its first
+        data/tensor-parallel rank (the others return ``{}``);
+        :func:`gather_state_dict` merges them.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        out: dict[str, Any] = {}
+        for chunk in self.chunks:
+            out.update(get_model_state_dict(chunk, options=StateDictOptions(full_state_dict=True)))
+        if self.dp_rank or self.tp_rank:
+            return {}
+        return {k: v.detach().cpu() for k, v in out.items()}
+
+    @endpoint
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load full model weights (e.g. from :func:`gather_state_dict` or a single-process model)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        for chunk in self.chunks:
+            set_model_state_dict(chunk, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    @endpoint
+    def info(self) -> dict[str, Any]:
+        """This rank's place: plan, mesh coordinates, stages and local parameter count."""
+        return self._info()
+
+    def _info(self) -> dict[str, Any]:
+        def local_numel(p: Any) -> int:
+            return int(p.to_local().numel()) if hasattr(p, "to_local") else int(p.numel())
+
+        return {
+            "rank": self.rank,
+            "plan": self.plan.describe(),
+            "coords": {name: self.mesh[name].get_local_rank() for name in ("pp", "dp_replicate", "dp_shard", "tp")},
+            "stages": list(self.stage_ids) if self.schedule is not None else [],
+            "wrappers": sorted({type(c).__name__ for c in self.chunks}),
+            "local_params": sum(local_numel(p) for c in self.chunks for p in c.parameters()),
+        }
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        from ..spmd import destroy_process_group
+
+        self.schedule = None
+        self.stages.clear()
+        self.chunks.clear()
+        self.optimizers.clear()
+        if self.owns_process_group:  # so a later trainer on these procs starts a fresh world
+            destroy_process_group()
+
+
+def spawn_trainer(
+    procs: ProcMesh,
+    model_fn: Callable[[], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    optimizer_fn: Callable[[Any], Any],
+    plan: Plan | None = None,
+    *,
+    stages: Sequence[range] | None = None,
+    seed: int = 0,
+    name: str = "trainer",
+    timeout: float = 600.0,
+    pg_timeout_s: float = 600.0,
+) -> ActorMesh[Trainer]:
+    """Spawn a :class:`Trainer` on every proc and set it up per ``plan``; returns the actor mesh.
+
+    ``model_fn()`` builds the model (called under ``torch.device("meta")`` on
+    every rank, and once for real on rank 0 under ``torch.manual_seed(seed)``
+    for the initial weights), ``loss_fn(outputs, targets)`` returns a mean
+    loss, ``optimizer_fn(params)`` makes an optimizer. All three must be
+    picklable (module-level functions or ``functools.partial``). ``stages``
+    optionally gives the pipeline stage boundaries (``range``s over block
+    indices, e.g. from a partitioner); default: equal split. Raises
+    :class:`PlanError` (from the controller or the ranks) when the plan does
+    not fit the procs, the model or its options.
+
+    Example::
+
+        from functools import partial
+        import torch
+        from actormesh.parallel import Plan, spawn_trainer
+        from actormesh.parallel.models import gpt, lm_loss
+
+        trainer = spawn_trainer(procs, partial(gpt, n_blocks=4), lm_loss,
+                                partial(torch.optim.AdamW, lr=1e-3), Plan(fsdp=2, tp=2))
+        loss = trainer.step.call((tokens, targets)).get(timeout=60).values()[0]
+    """
+    from ..spmd import setup_torch_elastic_env
+
+    plan = Plan() if plan is None else plan
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an actormesh.parallel.Plan, got {type(plan).__name__}")
+    if not isinstance(procs, ProcMesh):
+        raise TypeError(f"spawn_trainer needs a ProcMesh (this_host().spawn_procs(...)), got {type(procs).__name__}")
+    for label, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
+        if not callable(fn):
+            raise TypeError(f"{label} must be callable, got {fn!r}")
+    plan.check_world(len(procs))
+    setup_torch_elastic_env(procs, timeout=min(timeout, 120.0))
+    trainer = cast("ActorMesh[Trainer]", procs.spawn(name, Trainer, model_fn, loss_fn, optimizer_fn, plan, stages, seed, pg_timeout_s))
+    try:
+        trainer.setup.call().get(timeout=timeout)
+    except BaseException:
+        trainer.stop("setup failed").get(timeout=60)
+        raise
+    return trainer
+
+
+def gather_state_dict(trainer: ActorMesh[Trainer], timeout: float = 300.0) -> dict[str, Any]:
+    """The full model's weights (CPU tensors) from a trainer mesh under any plan."""
+    merged: dict[str, Any] = {}
+    for part in trainer.state_dict.call().get(timeout=timeout).values():
+        merged.update(part)
+    return merged
