@@ -39,13 +39,9 @@ def equal_stages(n_blocks: int, n_stages: int) -> list[range]:
     """
     if not 1 <= n_stages <= n_blocks:
         raise PlanError(f"cannot split {n_blocks} blocks into {n_stages} non-empty stages")
-    base, extra = divmod(n_blocks, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        end = start + base + (1 if s < extra else 0)
-        out.append(range(start, end))
-        start = end
-    return out
+    from ._partition import even_split
+
+    return even_split(n_blocks, n_stages)
 
 
 def check_stages(stages: Sequence[range], n_blocks: int, n_stages: int) -> list[range]:
