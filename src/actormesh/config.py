@@ -20,6 +20,8 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | tls                     | False      | mutual TLS on a private per-job CA for TCP channels (needs ``cryptography``) |
 | heartbeat_interval      | 0.5        | seconds of silence after which a spawner pings a child proc |
 | heartbeat_timeout       | 3.0        | seconds of silence after which a child proc is declared hung and killed |
+| shm_threshold_bytes     | 1 MiB      | message buffers this large go to same-host procs through shared memory; 0 = never |
+| shm_pool_bytes          | 1 GiB      | idle shared-memory message buffers a process keeps for reuse |
 
 Example::
 
@@ -61,6 +63,8 @@ class Config:
     max_cast_fanout: int = 16
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
+    shm_threshold_bytes: int = 1 << 20
+    shm_pool_bytes: int = 1 << 30
 
     def to_env(self) -> dict[str, str]:
         """The settings as ``ACTORMESH_*`` variables, to hand to child processes."""
@@ -68,6 +72,8 @@ class Config:
 
 
 _TRANSPORTS = ("unix", "tcp")
+# Size keys where 0 means "off".
+_ZERO_DISABLES = frozenset({"shm_threshold_bytes"})
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|min|s|m|h|d)\s*")
 
@@ -103,7 +109,7 @@ def _coerce(key: str, value: Any, *, from_env: bool) -> Any:
             result = int(value)
         except ValueError as exc:
             raise ConfigError(f"config key {key!r} expects an int (bytes), got {value!r}") from exc
-        if result <= 0:
+        if result < 0 or (result == 0 and key not in _ZERO_DISABLES):
             raise ConfigError(f"config key {key!r} must be positive, got {value!r}")
         return result
     if field_type == "float":

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ..transport._shm import buffer_address
+
 __all__ = ["Region", "region_of", "view_at", "memmove", "host_id", "proc_start_time"]
 
 
@@ -30,42 +32,6 @@ class Region:
     @property
     def is_cpu(self) -> bool:
         return self.device == "cpu"
-
-
-class _PyBuffer(ctypes.Structure):
-    # The stable layout of CPython's Py_buffer (Include/pybuffer.h).
-    _fields_ = [
-        ("buf", ctypes.c_void_p),
-        ("obj", ctypes.c_void_p),
-        ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t),
-        ("readonly", ctypes.c_int),
-        ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p),
-        ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p),
-        ("internal", ctypes.c_void_p),
-    ]
-
-
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-_get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
-_release_buffer.restype = None
-
-
-def _buffer_address(mv: memoryview) -> int:
-    """Address of a C-contiguous memoryview's first byte (read-only views too)."""
-    view = _PyBuffer()
-    if _get_buffer(mv, ctypes.byref(view), 0) != 0:  # pragma: no cover - memoryviews always export
-        raise ValueError("cannot take the address of this buffer")
-    try:
-        return int(view.buf or 0)
-    finally:
-        _release_buffer(ctypes.byref(view))
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -92,7 +58,7 @@ def region_of(obj: Any, *, role: str, allow_empty: bool = False) -> Region:
         raise ValueError(f"{role} must be contiguous, got a memoryview with strides {mv.strides}")
     if mv.nbytes == 0 and not allow_empty:
         raise ValueError(f"{role} has size 0: an RDMA buffer needs at least one byte")
-    address = _buffer_address(mv) if mv.nbytes else 0
+    address = buffer_address(mv) if mv.nbytes else 0
     return Region(address, mv.nbytes, bool(mv.readonly), "cpu", mv)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..config import Config, get_config
 from ..errors import ProtocolError, TransportError
-from ..transport import Connection, JobTLS, Listener, Segment, connect, dumps, listen, new_secret
+from ..transport import Connection, JobTLS, Listener, Segment, ShmPool, connect, dumps, listen, new_secret
 from . import _messages as M
 from ._loop import LoopThread
 from ._ordering import Reorder, SeqOut
@@ -94,6 +94,8 @@ class ProcRuntime:
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None
         self._listen_address = listen_address
+        #: Large message buffers to same-host procs go through shared memory (transport/_shm.py).
+        self.shm = ShmPool(self.config.shm_threshold_bytes, self.config.shm_pool_bytes)
         self._listener: Listener = self.loop_thread.run(self._listen(), timeout=30)
         self.address = self._listener.address
         self.root_address = root_address or self.address
@@ -118,6 +120,7 @@ class ProcRuntime:
             max_frame_bytes=self.config.codec_max_frame_length,
             handshake_timeout_s=self.config.handshake_timeout,
             ssl_context=self._server_ssl if addr.startswith("tcp:") else None,
+            shm=self.shm,
         )
 
     def in_loop(self) -> bool:
@@ -182,6 +185,7 @@ class ProcRuntime:
                 handshake_timeout_s=self.config.handshake_timeout,
                 timeout_s=self.config.connect_timeout,
                 ssl_context=self._client_ssl if route.address.startswith("tcp:") else None,
+                shm=self.shm,
             )
         except (TransportError, OSError) as exc:
             self.peer_gone(route.address, f"the process at {route.address} is unreachable: {exc}")
@@ -387,6 +391,7 @@ class ProcRuntime:
         except Exception:
             pass
         self.loop_thread.stop()
+        self.shm.close()
 
 
 async def _call(fn: Callable[[], None]) -> None:

@@ -4,6 +4,7 @@ from ._auth import HANDSHAKE_BYTES, Handshake, new_secret
 from ._codec import SerializationError, dumps, loads
 from ._connection import Connection, Listener, connect, listen, parse_address
 from ._frames import FrameDecoder, Segment, encode_frame
+from ._shm import ShmError, ShmPool
 from ._tls import JobTLS
 
 __all__ = [
@@ -22,4 +23,6 @@ __all__ = [
     "Segment",
     "encode_frame",
     "JobTLS",
+    "ShmError",
+    "ShmPool",
 ]

@@ -26,7 +26,8 @@ from typing import Any
 
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
-from ._frames import FrameDecoder, Segment, encode_frame
+from ._frames import FLAG_SHM, FrameDecoder, Segment, ShmFrame, encode_frame
+from ._shm import ShmError, ShmPool, peer_pid_uid
 
 __all__ = ["Connection", "Listener", "connect", "listen", "parse_address"]
 
@@ -79,6 +80,7 @@ class Connection(asyncio.BufferedProtocol):
         on_frame: FrameHandler,
         on_close: CloseHandler,
         loop: asyncio.AbstractEventLoop,
+        shm: ShmPool | None = None,
     ) -> None:
         self._handshake: Handshake | None = Handshake(secret, dialer=dialer)
         self._hs_buf = bytearray(HANDSHAKE_BYTES)
@@ -105,6 +107,10 @@ class Connection(asyncio.BufferedProtocol):
         self.peer_name = "?"
         #: Free for the layer above (e.g. the peer's proc address).
         self.tag: Any = None
+        self._shm_pool = shm
+        #: Where large outgoing segments go instead of the socket (same-host peers only).
+        self.shm: ShmPool | None = None
+        self._peer_pid = 0
 
     def __repr__(self) -> str:
         return f"<Connection peer={self.peer_name} ready={self.ready.done()} closed={self.closed}>"
@@ -119,6 +125,15 @@ class Connection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None and transport.get_extra_info("ssl_object") is None:
             self._fd = sock.fileno()
+        if sock is not None and sock.family == socket.AF_UNIX:
+            try:
+                self._peer_pid, uid = peer_pid_uid(sock)
+            except OSError:
+                self._peer_pid, uid = 0, -1
+            pool = self._shm_pool
+            # The peer opens our segments through /proc: it needs our uid and a visible pid.
+            if pool is not None and pool.usable and pool.threshold and self._peer_pid > 0 and uid == os.getuid():
+                self.shm = pool
         assert self._handshake is not None
         transport.write(self._handshake.start())
         self._hs_timer = self._loop.call_later(self._hs_timeout_s, self._handshake_timed_out)
@@ -142,6 +157,13 @@ class Connection(asyncio.BufferedProtocol):
             return
         on_frame = self._on_frame
         for frame in frames:
+            if type(frame) is ShmFrame:
+                try:
+                    frame = ShmPool.import_frame(frame[0], frame[1:], self._peer_pid)
+                except ShmError as exc:
+                    log.warning("closing connection from %s: %s", self.peer_name, exc)
+                    self._abort(exc)
+                    return
             on_frame(self, frame)
 
     def _advance_handshake(self, nbytes: int) -> None:
@@ -183,6 +205,8 @@ class Connection(asyncio.BufferedProtocol):
             if ev is not None:
                 ev.set()
         self._outbox.clear()
+        if self.shm is not None:
+            self.shm.forget(self)
         self._on_close(self, exc)
 
     # -- sending (any thread) ----------------------------------------------------------
@@ -195,7 +219,16 @@ class Connection(asyncio.BufferedProtocol):
         """
         if self.closed:
             raise TransportError(f"connection to {self.peer_name} is closed")
-        frame = encode_frame(segments)
+        flags = 0
+        if self.shm is not None and len(segments) > 1:
+            exported = self.shm.export(segments, self)
+            if exported is not None:
+                # Copied into shared memory already: only small parts still reference the caller's memory.
+                manifest, rest = exported
+                segments, flags = [manifest, *rest], FLAG_SHM
+                if wait_flushed and max(len(p) if type(p) is bytes else memoryview(p).nbytes for p in rest) < 65536:
+                    wait_flushed = False
+        frame = encode_frame(segments, flags)
         if self._fd >= 0 and not wait_flushed and threading.get_ident() != self._loop_thread:
             now = _monotonic()
             idle = now - self._last_tx > _IDLE_S
@@ -332,14 +365,16 @@ async def listen(
     max_frame_bytes: int,
     handshake_timeout_s: float,
     ssl_context: ssl.SSLContext | None = None,
+    shm: ShmPool | None = None,
 ) -> Listener:
     """Listen on ``unix:/path`` or ``tcp:host:port`` (port 0 picks a free one).
 
-    ``on_connection`` runs once a peer has authenticated.
+    ``on_connection`` runs once a peer has authenticated. With ``shm``, large
+    segments to same-host peers travel through that pool's shared memory.
     """
     loop = asyncio.get_running_loop()
     scheme, target = parse_address(address)
-    opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close)
+    opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm)
     inner = _factory(secret, False, loop, opts)
 
     def make() -> Connection:
@@ -371,6 +406,7 @@ async def connect(
     handshake_timeout_s: float,
     timeout_s: float,
     ssl_context: ssl.SSLContext | None = None,
+    shm: ShmPool | None = None,
 ) -> Connection:
     """Dial and authenticate, retrying with jittered back-off until ``timeout_s``.
 
@@ -382,7 +418,7 @@ async def connect(
         secret,
         True,
         loop,
-        dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close),
+        dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm),
     )
     deadline = loop.time() + timeout_s
     delay = 0.005

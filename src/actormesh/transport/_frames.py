@@ -4,12 +4,14 @@ Theory of operation
 -------------------
 A frame is a list of *segments* (byte strings). On the wire::
 
-    <u64 body_len> <u32 nseg> <u64 len_0> ... <u64 len_{nseg-1}> <seg_0> ... <seg_{nseg-1}>
+    <u64 body_len> <u16 nseg> <u16 flags> <u64 len_0> ... <u64 len_{nseg-1}> <seg_0> ... <seg_{nseg-1}>
 
 ``body_len`` counts everything after the 12-byte prefix, so a reader can reject
 an oversized frame after 12 bytes, before allocating anything. Segment 0 is by
 convention the envelope, the others pickle-5 out-of-band buffers, but this
-module does not care.
+module does not care. One flag exists: ``FLAG_SHM`` marks a frame whose first
+segment is a shared-memory manifest (see _shm.py); such frames decode as
+:class:`ShmFrame` lists. Unknown flags are a protocol error.
 
 The decoder is written for asyncio's ``BufferedProtocol``: the event loop asks
 ``get_buffer()`` for memory and reports with ``buffer_updated(n)``. Small frames
@@ -30,7 +32,7 @@ from typing import Union
 
 from ..errors import ProtocolError
 
-__all__ = ["FrameDecoder", "encode_frame", "Segment", "PREFIX_BYTES"]
+__all__ = ["FrameDecoder", "encode_frame", "Segment", "PREFIX_BYTES", "FLAG_SHM", "ShmFrame"]
 
 Segment = Union[bytes, bytearray, memoryview]
 
@@ -42,16 +44,23 @@ _MAX_SEGMENTS = 4096
 _RECV_BYTES = 256 * 1024
 # Frames with more data than this get a private buffer (no copy on receive).
 _BIG_BYTES = 64 * 1024
+FLAG_SHM = 1
 
 
-def encode_frame(segments: Sequence[Segment]) -> list[Segment]:
+class ShmFrame(list):  # type: ignore[type-arg]
+    """A decoded frame flagged ``FLAG_SHM``: segment 0 is the manifest."""
+
+    __slots__ = ()
+
+
+def encode_frame(segments: Sequence[Segment], flags: int = 0) -> list[Segment]:
     """The parts to write for one frame: a header, then the segments unchanged.
 
     >>> b"".join(encode_frame([b"ab", b"c"]))[12 + 16:]
     b'abc'
     """
     n = len(segments)
-    if n == 2:  # the common frame: envelope + small payload
+    if n == 2 and not flags:  # the common frame: envelope + small payload
         a, b = segments
         la = len(a) if type(a) is bytes else memoryview(a).nbytes
         lb = len(b) if type(b) is bytes else memoryview(b).nbytes
@@ -59,7 +68,7 @@ def encode_frame(segments: Sequence[Segment]) -> list[Segment]:
     if n > _MAX_SEGMENTS:
         raise ValueError(f"a frame holds at most {_MAX_SEGMENTS} segments, got {n}")
     lens = [len(s) if type(s) is bytes else memoryview(s).nbytes for s in segments]
-    header = _PREFIX.pack(8 * n + sum(lens), n) + struct.pack(f"<{n}Q", *lens)
+    header = _PREFIX.pack(8 * n + sum(lens), n | flags << 16) + struct.pack(f"<{n}Q", *lens)
     return [header, *segments]
 
 
@@ -83,6 +92,7 @@ class FrameDecoder:
         self._big_view: memoryview | None = None
         self._big_filled = 0
         self._big_lens: tuple[int, ...] = ()
+        self._big_flags = 0
         self._broken = False
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
@@ -137,7 +147,7 @@ class FrameDecoder:
             pos += length
         self._big = self._big_view = None
         self._big_filled = 0
-        return segments
+        return ShmFrame(segments) if self._big_flags else segments
 
     def _parse(self) -> list[list[Segment]]:
         frames: list[list[Segment]] = []
@@ -147,6 +157,11 @@ class FrameDecoder:
             if avail < PREFIX_BYTES:
                 break
             body_len, nseg = _PREFIX.unpack_from(buf, start)
+            flags = nseg >> 16
+            if flags:
+                if flags != FLAG_SHM:
+                    raise ProtocolError(f"frame has unknown flags {flags:#x}")
+                nseg &= 0xFFFF
             if nseg > _MAX_SEGMENTS:
                 raise ProtocolError(f"frame declares {nseg} segments (limit {_MAX_SEGMENTS})")
             if body_len > self._max:
@@ -168,7 +183,7 @@ class FrameDecoder:
                     segments.append(bytes(view[pos : pos + length]))
                     pos += length
                 self._start = pos
-                frames.append(segments)
+                frames.append(ShmFrame(segments) if flags else segments)
                 continue
             if data_len >= _BIG_BYTES:
                 # Receive the rest of this frame straight into its own buffer.
@@ -176,7 +191,7 @@ class FrameDecoder:
                 big = bytearray(data_len)
                 big[:have] = view[data_start : self._end]
                 self._big, self._big_view = big, memoryview(big)
-                self._big_filled, self._big_lens = have, lens
+                self._big_filled, self._big_lens, self._big_flags = have, lens, flags
                 self._start = self._end = 0
             break
         if self._start == self._end:
