@@ -1,6 +1,6 @@
 """Tensor payloads: ``sum`` (send a tensor, get a float) and ``echo`` (send it, get it back).
 
-torch float32 tensors of 1, 16 and 128 MiB to one worker proc. GB/s = bytes
+torch float32 tensors of 1, 16, 128 and 512 MiB to one worker proc. GB/s = bytes
 moved / wall time of ``call_one(t).get()`` (echo moves the tensor twice), GB =
 1e9 bytes, median of a few reps after one warm-up call per size and op. The
 reference is ``dst.copy_(src)`` of the same size in the same process and run
@@ -10,6 +10,11 @@ is cache bandwidth, not DRAM.
 torch is set to one intra-op thread in the controller and in the actor: the
 transport is under test, not torch's OpenMP pool, whose barriers on a 2-core
 shared machine turn a 0.1 ms ``sum`` or ``copy_`` into 5-20 ms at random.
+(The transport's own shared-memory copies split large buffers over the cores.)
+
+Buffers of at least ``shm_threshold_bytes`` (1 MiB) go through shared memory.
+``echo_socket`` repeats the echo with that path off (threshold 0, in the
+controller and in a second worker), so both paths are measured in one run.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ from bench._api import this_host
 from bench._util import GET_TIMEOUT_S, now, stop_procs
 
 MiB = 1 << 20
-SIZES_MIB = (1, 16, 128)
-OPS = ("sum", "echo")
+SIZES_MIB = (1, 16, 128, 512)
+OPS = ("sum", "echo", "echo_socket")
 
 
 def _reps(size_mib: int, quick: bool) -> int:
     if quick:
         return {1: 5, 16: 3}.get(size_mib, 2)
-    return {1: 30, 16: 10}.get(size_mib, 5)
+    return {1: 30, 16: 10, 512: 3}.get(size_mib, 5)
 
 
 def run(quick: bool = False, sizes_mib: list[int] | None = None, ops: list[str] | None = None) -> dict[str, Any]:
@@ -40,8 +45,11 @@ def run(quick: bool = False, sizes_mib: list[int] | None = None, ops: list[str] 
     ops = list(ops or OPS)
     out: dict[str, Any] = {"info": {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "times_s": {}}}
     procs = this_host().spawn_procs(per_host={"gpus": 1})
+    socket_procs = None
     try:
         actor = procs.spawn("tensors", Tensors)
+        if "echo_socket" in ops:
+            socket_procs, socket_actor = _socket_only_actor()
         for size in sizes:
             nbytes = size * MiB
             src = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -57,8 +65,8 @@ def run(quick: bool = False, sizes_mib: list[int] | None = None, ops: list[str] 
             out["info"][f"copy_{size}MiB_best_GBs"] = nbytes / min(copies) / 1e9
             del dst
             for op in ops:
-                ep = getattr(actor, op)
-                moved = nbytes * (2 if op == "echo" else 1)
+                ep = socket_actor.echo if op == "echo_socket" else getattr(actor, op)
+                moved = nbytes * (1 if op == "sum" else 2)
                 first = ep.call_one(src).get(timeout=GET_TIMEOUT_S)  # warm-up + sanity check
                 if op == "sum":
                     assert abs(first - src.numel()) < 1e-3 * src.numel(), first
@@ -77,4 +85,25 @@ def run(quick: bool = False, sizes_mib: list[int] | None = None, ops: list[str] 
             del src
     finally:
         stop_procs(procs)
+        if socket_procs is not None:
+            stop_procs(socket_procs)
     return out
+
+
+def _socket_only_actor() -> tuple[Any, Any]:
+    """A worker whose connection to the controller never uses shared memory (both directions)."""
+    try:
+        from actormesh import config
+        from actormesh.runtime._context import current_runtime
+    except ImportError:  # Monarch: no such path to switch off
+        return None, None
+    pool = current_runtime().shm
+    saved, pool.threshold = pool.threshold, 0  # connections made now stay socket-only
+    try:
+        with config.configured(shm_threshold_bytes=0):
+            procs = this_host().spawn_procs(per_host={"gpus": 1})
+            actor = procs.spawn("tensors", Tensors)
+            actor.echo.call_one(b"x").get(timeout=GET_TIMEOUT_S)  # connect both ways now
+    finally:
+        pool.threshold = saved
+    return procs, actor

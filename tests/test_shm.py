@@ -339,3 +339,41 @@ def test_config_rejects_negative_threshold() -> None:
         config.configure(shm_threshold_bytes=-1)
     with pytest.raises(ConfigError, match="shm_pool_bytes"):
         config.configure(shm_pool_bytes=0)
+
+
+@pytest.mark.timeout(60)
+def test_an_unmappable_segment_closes_only_that_connection() -> None:
+    """An authenticated peer announcing a segment the receiver cannot map (here: an
+    unsealed memfd) loses its connection; the receiver keeps serving everyone else."""
+    import socket
+
+    from actormesh.runtime._context import current_runtime
+    from actormesh.transport import HANDSHAKE_BYTES, Handshake
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    try:
+        k = procs.spawn("keeper", Keeper)
+        assert k.crc.call_one(b"warm").get(timeout=30) == zlib.crc32(b"warm")
+        os.ftruncate(fd, 2 * 4096)
+        manifest = struct.pack("<I", 1) + struct.pack("<HIQQQ", 1, fd, 4096, 100, 4)
+        frame = b"".join(bytes(p) for p in encode_frame([manifest, b"env", b""], FLAG_SHM))
+        rt = current_runtime()
+        for address in (rt.address, procs._addresses[0]):
+            me = Handshake(rt.secret, dialer=True)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(address[len("unix:"):])
+                s.sendall(me.start())
+                s.settimeout(10)
+                while not me.done:
+                    chunk = s.recv(HANDSHAKE_BYTES)
+                    assert chunk, "closed during an authentic handshake"
+                    reply = me.receive(chunk)
+                    if reply:
+                        s.sendall(reply)
+                s.sendall(frame)
+                assert s.recv(4096) == b"", f"{address} kept the connection open"
+            assert k.crc.call_one(b"still").get(timeout=30) == zlib.crc32(b"still")
+    finally:
+        os.close(fd)
+        procs.stop().get(timeout=30)

@@ -236,8 +236,10 @@ class ShmPool:
         frame goes over the socket unchanged. ``channel`` names the connection,
         so :meth:`forget` can drop what it lent there.
         """
+        if not self.threshold or self.closed:
+            return None
         big = [i for i, s in enumerate(segments) if _nbytes(s) >= self.threshold]
-        if not big or self.closed:
+        if not big:
             return None
         out = list(segments)
         entries = []
