@@ -8,7 +8,6 @@ has started. They stand in for small public hooks the runtime layer may add.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
 import os
@@ -28,9 +27,9 @@ SECRET_ENV = "ACTORMESH_SECRET_FILE"
 
 def runtime_started() -> bool:
     """Whether this process's actormesh runtime is already running."""
-    from ..runtime import _context  # private: no public "started?" query yet
+    from ..runtime import runtime_started as started
 
-    return getattr(_context, "_runtime", None) is not None
+    return started()
 
 
 def is_loopback(host: str) -> bool:
@@ -107,17 +106,9 @@ def runtime_with_secret(secret: bytes, purpose: str) -> Any:
     A runtime that already runs with another secret cannot talk to agents
     that hold ``secret``: that is an error naming the fix.
     """
-    from ..runtime import _context, current_runtime  # private: the runtime takes no secret at start yet
+    from ..runtime import current_runtime
 
-    if not runtime_started():
-        original = getattr(_context, "ProcRuntime")
-        setattr(_context, "ProcRuntime", functools.partial(original, secret=secret))
-        try:
-            rt = current_runtime()
-        finally:
-            setattr(_context, "ProcRuntime", original)
-    else:
-        rt = current_runtime()
+    rt = current_runtime(secret=secret)
     if not hmac.compare_digest(rt.secret, secret):
         raise JobError(
             f"{purpose}: this process's runtime started before the job secret was known and uses another secret. "

@@ -15,7 +15,7 @@ from ._actor import (
     endpoints_of,
 )
 from ._channel import Channel, Port, PortReceiver
-from ._context import context, current_actor_name, current_runtime, enable_transport, shutdown_context
+from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, shutdown_context
 from ._future import Future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
@@ -40,6 +40,7 @@ __all__ = [
     "context",
     "current_actor_name",
     "current_runtime",
+    "runtime_started",
     "enable_transport",
     "shutdown_context",
     "Future",

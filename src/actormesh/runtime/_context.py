@@ -15,7 +15,7 @@ from typing import Any
 from ._actor import Context, Instance, _context
 from ._proc import ProcRuntime
 
-__all__ = ["current_runtime", "set_runtime", "context", "shutdown_context", "current_actor_name", "enable_transport"]
+__all__ = ["current_runtime", "runtime_started", "set_runtime", "context", "shutdown_context", "current_actor_name", "enable_transport"]
 
 _runtime: ProcRuntime | None = None
 _client_context: Context | None = None
@@ -38,14 +38,23 @@ def set_runtime(rt: ProcRuntime) -> None:
     _client_context = Context(Instance(runtime=rt, name=rt.name, display=f"<{rt.name}>", rank=None, class_name="proc"))
 
 
-def current_runtime() -> ProcRuntime:
-    """This process's runtime, starting the controller's on first use."""
+def runtime_started() -> bool:
+    """Whether this process's runtime is running already (starting it fixes its secret)."""
+    return _runtime is not None
+
+
+def current_runtime(*, secret: bytes | None = None) -> ProcRuntime:
+    """This process's runtime, starting the controller's on first use.
+
+    ``secret`` is the job secret to start with (jobs whose agents hold one);
+    it is ignored when the runtime already runs: compare ``rt.secret``.
+    """
     rt = _runtime
     if rt is not None:
         return rt
     with _lock:
         if _runtime is None:
-            rt = ProcRuntime(name="client")
+            rt = ProcRuntime(name="client", secret=secret)
             set_runtime(rt)
             _client_context.actor_instance._display = "<root>"  # type: ignore[union-attr]
             atexit.register(_shutdown_at_exit)
