@@ -175,3 +175,62 @@ def test_agents_in_separate_network_namespaces(tmp_path):
         for ns in namespaces:
             ip("netns", "del", ns)
         ip("link", "del", bridge)
+
+
+
+_DEPARTING_CONTROLLER = """
+import json, os, sys
+from actormesh.actor import Actor, endpoint
+from actormesh.mesh import HostMesh
+from actormesh.runtime import current_runtime
+
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+with open(sys.argv[2]) as f:
+    current_runtime(secret=bytes.fromhex(f.read().strip()))
+procs = HostMesh(agents=[sys.argv[1]]).spawn_procs(per_host={"gpus": 2})
+print(json.dumps(procs.spawn("p", Pid).pid.call().get(timeout=30).values()), flush=True)
+sys.stdin.readline()  # the test kills us here
+"""
+
+
+def test_an_agent_stops_the_procs_of_a_controller_that_died(agents, tmp_path):
+    """An agent without --controller serves one controller after another; a dead one's procs must go."""
+    import json
+    import signal
+
+    import psutil
+
+    script = tmp_path / "controller.py"
+    script.write_text(_DEPARTING_CONTROLLER)
+    ctl = subprocess.Popen([sys.executable, str(script), agents[0], str(tmp_path / "secret")],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        line = ctl.stdout.readline()
+        assert line, "the controller printed nothing"
+        pids = json.loads(line)
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait(timeout=10)
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=20)
+        assert not alive, f"procs {[p.pid for p in alive]} outlived their controller"
+        # The agent itself stays and serves the next controller.
+        hosts = HostMesh(agents=agents)
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        try:
+            assert len(procs.spawn("w", Where).where.call().get(timeout=30).values()) == 2
+        finally:
+            procs.stop().get(timeout=30)
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait(timeout=10)
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass

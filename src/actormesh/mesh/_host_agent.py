@@ -11,6 +11,7 @@ channels. Procs it spawns are its children: they die with it.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,8 @@ from ..runtime import (
 from ..transport import dumps
 from ._logs import pump
 
+log = logging.getLogger("actormesh.host")
+
 __all__ = ["HostAgent", "AGENT_NAME", "agent_mesh", "serve_agent", "EventPort"]
 
 AGENT_NAME = "host_agent"
@@ -40,14 +43,30 @@ class HostAgent(Actor):
     def __init__(self) -> None:
         self.children: dict[str, ChildProc] = {}
         self.events: dict[str, Port[Any]] = {}
+        #: child address -> the controller that asked for it (where its events go)
+        self.owners: dict[str, str] = {}
         self._pumps: dict[str, list[threading.Thread]] = {}
         rt = current_runtime()
         rt.on_peer_lost.append(self._lost)
 
     def _lost(self, address: str, reason: str) -> None:
+        """A peer is gone (loop thread): report a child's exit, or stop a departed controller's procs."""
         port = self.events.pop(address, None)
+        self.owners.pop(address, None)
         if port is not None:
             port.send(("exit", address, reason))
+        orphans = [self.children.pop(a) for a, owner in list(self.owners.items()) if owner == address and a in self.children]
+        if not orphans:
+            return
+        # An agent serves one controller after another: nobody else would ever stop these.
+        log.warning("controller %s is gone (%s): stopping its %d procs on this host", address, reason, len(orphans))
+        for c in orphans:
+            self.events.pop(c.address, None)
+            self.owners.pop(c.address, None)
+        rt = current_runtime()
+        timeout = rt.config.stop_timeout
+        threading.Thread(target=lambda: stop_children(rt, orphans, timeout).get(timeout=timeout + 5),
+                         name="actormesh-orphan-stop", daemon=True).start()
 
     @endpoint
     def info(self) -> dict[str, Any]:
@@ -78,6 +97,7 @@ class HostAgent(Actor):
         for c in children:
             self.children[c.address] = c
             self.events[c.address] = events
+            self.owners[c.address] = events.ref[0]
         for c in children:
             c.ready.get(timeout=timeout_s)
         return [c.address for c in children]
@@ -89,6 +109,7 @@ class HostAgent(Actor):
         children = [self.children.pop(a) for a in addresses if a in self.children]
         for c in children:
             self.events.pop(c.address, None)
+            self.owners.pop(c.address, None)
         stop_children(rt, children, timeout_s).get(timeout=timeout_s + 5)
 
 
