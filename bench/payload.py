@@ -48,6 +48,7 @@ def run(quick: bool = False, sizes_mib: list[int] | None = None, ops: list[str] 
     socket_procs = None
     try:
         actor = procs.spawn("tensors", Tensors)
+        actor.echo.call_one(b"x").get(timeout=GET_TIMEOUT_S)  # connected (with shared memory) before the switch below
         if "echo_socket" in ops:
             socket_procs, socket_actor = _socket_only_actor()
         for size in sizes:
