@@ -30,6 +30,12 @@ class Node(Actor):
     def history(self) -> list[int]:
         return list(self.log)
 
+    @endpoint
+    def digest(self, data: bytes) -> tuple[int, bytes]:
+        import zlib
+
+        return zlib.crc32(data), bytes(data[-1000:]) * 1100  # a reply above the shared-memory threshold
+
 
 @pytest.fixture
 def small_fanout():
@@ -47,6 +53,19 @@ def test_call_and_broadcast_through_a_tree(spawn_procs, small_fanout):
     # A slice is cast along its own tree, with slice-relative message ranks.
     part = nodes.slice(gpus=slice(1, 4)).where.call().get(timeout=T)
     assert [r for r, _, _ in part.values()] == list(range(6))
+
+
+def test_large_payloads_cross_the_tree_both_ways(spawn_procs, small_fanout):
+    """Relays forward big arguments (shared memory between procs of a host) and
+    gather big replies back up: every byte arrives at every member."""
+    import zlib
+
+    procs = spawn_procs(per_host={"gpus": 6})
+    nodes = procs.spawn("nodes", Node)
+    data = os.urandom(3 << 20)
+    tail = data[-1000:] * 1100
+    for crc, back in nodes.digest.call(data).get(timeout=T).values():
+        assert crc == zlib.crc32(data) and back == tail
 
 
 def test_per_sender_order_holds_between_tree_and_direct_sends(spawn_procs, small_fanout):
