@@ -99,3 +99,124 @@ def test_actors_talk_over_tls(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+# -- jobs: the TLS material travels with the job secret ---------------------------------------
+
+_PROCESS_JOB = """
+from actormesh import config
+config.configure(default_transport="tcp", tls=True)
+from actormesh.actor import Actor, endpoint
+from actormesh.job import ProcessJob
+
+class Where(Actor):
+    @endpoint
+    def where(self):
+        from actormesh.runtime import current_runtime
+        rt = current_runtime()
+        return rt.address, rt.tls is not None and rt._server_ssl is not None
+
+job = ProcessJob({"hosts": 2})
+try:
+    procs = job.state().hosts.spawn_procs(per_host={"gpus": 1})
+    got = procs.spawn("w", Where).where.call().get(timeout=30).values()
+    assert [a.split(":")[1] for a, _ in got] == ["127.0.0.2", "127.0.0.3"], got
+    assert all(t for _, t in got), got
+    procs.stop().get(timeout=30)
+finally:
+    job.kill()
+print("ok")
+"""
+
+
+def test_process_job_with_tls(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "tls_process_job.py"
+    script.write_text(_PROCESS_JOB)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
+
+
+_ATTACH_TLS = """
+import json, sys
+from actormesh.actor import Actor, endpoint
+from actormesh.job import attach_to_workers
+from actormesh.runtime import current_runtime
+
+class Where(Actor):
+    @endpoint
+    def where(self):
+        rt = current_runtime()
+        return rt.address, rt.tls is not None
+
+hosts = attach_to_workers(workers=sys.argv[1:])
+assert hosts.initialized.get(timeout=20)
+assert current_runtime().tls is not None
+procs = hosts.spawn_procs(per_host={"procs": 1})
+print(json.dumps(procs.spawn("w", Where).where.call().get(timeout=20).values()))
+procs.stop().get(timeout=20)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_attach_to_workers_with_tls_credentials(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    creds = tmp_path / "job.creds"
+    subprocess.run([sys.executable, "-m", "actormesh.host", "--new-credentials", str(creds), "--tls"], check=True, timeout=30)
+    assert creds.stat().st_mode & 0o777 == 0o600
+    env = {**os.environ, "ACTORMESH_SECRET_FILE": str(creds)}
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    addresses = [f"tcp://127.0.0.1:{p}" for p in ports]
+    serve = "import sys; from actormesh.job import run_worker_loop_forever; run_worker_loop_forever(address=sys.argv[1])"
+    workers = [subprocess.Popen([sys.executable, "-c", serve, a], env=env) for a in addresses]
+    try:
+        script = tmp_path / "attach.py"
+        script.write_text(_ATTACH_TLS)
+        out = subprocess.run([sys.executable, str(script), *addresses], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert len(got) == 2 and all(tls for _, tls in got), got
+        # A worker's listener speaks TLS: a plaintext client never reaches the HMAC stage.
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=5) as s:
+            s.sendall(b"AMESH\x01" + b"\0" * 32)
+            s.settimeout(5)
+            try:
+                data = s.recv(100)
+            except (ConnectionResetError, socket.timeout):
+                data = b""
+            assert not data.startswith(b"AMESH")
+        # Credentials without the TLS part cannot attach (a clear error, no hang).
+        plain = tmp_path / "plain.creds"
+        plain.write_text(creds.read_text().split()[0])
+        plain.chmod(0o600)
+        out = subprocess.run([sys.executable, str(script), *addresses],
+                             env={**env, "ACTORMESH_SECRET_FILE": str(plain), "ACTORMESH_CONNECT_TIMEOUT": "2"},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "unreachable" in out.stderr, out.stderr[-2000:]
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.wait(timeout=20)
+
+
+def test_tls_material_round_trips_as_one_line():
+    tls = JobTLS.generate()
+    token = tls.to_token()
+    assert "\n" not in token and " " not in token
+    assert JobTLS.from_token(token) == tls
+    with pytest.raises(ValueError, match="base64"):
+        JobTLS.from_token("not base64!")
+    with pytest.raises(ValueError, match="must hold"):
+        JobTLS.from_token(__import__("base64").b64encode(tls.ca_pem.encode()).decode())

@@ -1,7 +1,10 @@
 """``python -m actormesh.host``: run a host agent (see actormesh.mesh._host_agent).
 
 The job secret is read from a file (``--secret-file`` or ``ACTORMESH_SECRET_FILE``)
-that must be readable by its owner only; it never travels in argv.
+that must be readable by its owner only; it never travels in argv. The file is
+one line: the secret in hex, then, for jobs that use TLS, a space and the job's
+TLS material (``JobTLS.to_token()``). ``--new-credentials PATH [--tls]`` writes
+such a file.
 """
 
 from __future__ import annotations
@@ -12,19 +15,49 @@ import signal
 import stat
 import sys
 import threading
+from typing import Any
 
 
 def read_secret(path: str) -> bytes:
     """Read a job secret file, refusing one that others can read."""
+    return read_credentials(path)[0]
+
+
+def read_credentials(path: str) -> tuple[bytes, Any]:
+    """(secret, JobTLS or None) from a credentials file, refusing one that others can read."""
+    from .transport import JobTLS
+
     st = os.stat(path)
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SystemExit(f"secret file {path} must not be accessible by group or others (chmod 600 {path})")
     with open(path, "rb") as f:
         data = f.read().strip()
+    head, _, tls = data.partition(b" ")
     try:
-        return bytes.fromhex(data.decode())
+        secret = bytes.fromhex(head.decode())
     except ValueError:
-        return data
+        return data, None  # a user's own secret, not hex: used as it is
+    if not tls.strip():
+        return secret, None
+    try:
+        return secret, JobTLS.from_token(tls.strip().decode())
+    except ValueError as exc:
+        raise SystemExit(f"secret file {path}: {exc}") from None
+
+
+def format_credentials(secret: bytes, tls: Any = None) -> str:
+    """The one-line credentials text :func:`read_credentials` reads."""
+    return secret.hex() if tls is None else f"{secret.hex()} {tls.to_token()}"
+
+
+def _new_credentials(path: str, tls: bool) -> None:
+    import secrets
+
+    from .transport import JobTLS
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(format_credentials(secrets.token_bytes(32), JobTLS.generate() if tls else None) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,13 +67,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--secret-file", default=os.environ.get("ACTORMESH_SECRET_FILE"), help="file holding the job secret (hex)")
     ap.add_argument("--controller", default=None, help="controller address to dial and announce this agent to")
     ap.add_argument("--print-address", action="store_true", help="print the listening address on stdout once ready")
+    ap.add_argument("--new-credentials", metavar="PATH", help="write a new credentials file (mode 0600) and exit")
+    ap.add_argument("--tls", action="store_true", help="with --new-credentials: include TLS material (needs 'cryptography')")
     args = ap.parse_args(argv)
+    if args.new_credentials:
+        _new_credentials(args.new_credentials, args.tls)
+        return
     if not args.secret_file:
         raise SystemExit("a job secret is required: --secret-file PATH or ACTORMESH_SECRET_FILE")
-    secret = read_secret(args.secret_file)
+    secret, tls = read_credentials(args.secret_file)
     from .mesh._host_agent import serve_agent
 
-    rt = serve_agent(args.address, secret, args.controller)
+    rt = serve_agent(args.address, secret, args.controller, tls=tls)
     if args.print_address:
         print(rt.address, flush=True)
     stop = threading.Event()

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..mesh import HostMesh
-from ._controller import SECRET_ENV, runtime_with_secret, secret_from_env
+from ._controller import SECRET_ENV, credentials_from_env, runtime_with_secret, secret_from_env
 
 __all__ = ["run_worker_loop_forever", "attach_to_workers", "normalize_address"]
 
@@ -67,8 +67,9 @@ def attach_to_workers(*, workers: Sequence[Any], ca: str = _TRUST_ALL, name: str
     :func:`run_worker_loop_forever` (addresses, or Futures of addresses).
 
     Returns at once; ``mesh.initialized.get()`` checks that every worker answers.
-    The job secret comes from ``ACTORMESH_SECRET_FILE``; this process's runtime
-    must not have started with another secret. ``name`` is accepted for
+    The job secret comes from ``ACTORMESH_SECRET_FILE`` (with TLS material when
+    the file has it: ``python -m actormesh.host --new-credentials F --tls``); this
+    process's runtime must not have started with other credentials. ``name`` is accepted for
     Monarch compatibility and unused. Example::
 
         hosts = attach_to_workers(workers=["tcp://10.0.0.5:26600", "tcp://10.0.0.6:26600"])
@@ -79,5 +80,6 @@ def attach_to_workers(*, workers: Sequence[Any], ca: str = _TRUST_ALL, name: str
         raise ValueError(f"workers must be a non-empty list of addresses like 'tcp://host:port', got {workers!r}")
     resolved = [w.get(timeout=60) if hasattr(w, "get") else w for w in workers]
     addresses = [normalize_address(w) for w in resolved]
-    runtime_with_secret(secret_from_env("attach_to_workers"), "attach_to_workers")
+    secret, tls = credentials_from_env("attach_to_workers")
+    runtime_with_secret(secret, "attach_to_workers", tls=tls)
     return HostMesh(agents=addresses)

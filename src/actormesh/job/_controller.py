@@ -20,7 +20,7 @@ from ._errors import JobError
 
 log = logging.getLogger("actormesh.job")
 
-__all__ = ["runtime_started", "controller_address", "write_secret_file", "secret_from_env", "runtime_with_secret", "is_loopback"]
+__all__ = ["runtime_started", "controller_address", "write_secret_file", "secret_from_env", "credentials_from_env", "runtime_with_secret", "is_loopback"]
 
 SECRET_ENV = "ACTORMESH_SECRET_FILE"
 
@@ -70,13 +70,16 @@ def controller_address(*, need_tcp: bool, bind_host: str | None = None, what: st
     return address
 
 
-def write_secret_file(directory: str, secret: bytes, name: str = "secret") -> str:
-    """Write ``secret`` as hex to a new 0600 file in ``directory`` (made 0700); return its path."""
+def write_secret_file(directory: str, secret: bytes, name: str = "secret", tls: Any = None) -> str:
+    """Write the job credentials (``secret`` as hex, then ``tls`` if given: see
+    ``actormesh.host``) to a new 0600 file in ``directory`` (made 0700); return its path."""
+    from ..host import format_credentials
+
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.chmod(directory, 0o700)
     fd, path = tempfile.mkstemp(prefix=f"{name}-", dir=directory)  # mkstemp creates it 0600
     try:
-        os.write(fd, secret.hex().encode())
+        os.write(fd, format_credentials(secret, tls).encode())
     finally:
         os.close(fd)
     return path
@@ -84,7 +87,12 @@ def write_secret_file(directory: str, secret: bytes, name: str = "secret") -> st
 
 def secret_from_env(purpose: str) -> bytes:
     """The job secret from the file named by ``ACTORMESH_SECRET_FILE`` (mode 0600)."""
-    from ..host import read_secret
+    return credentials_from_env(purpose)[0]
+
+
+def credentials_from_env(purpose: str) -> tuple[bytes, Any]:
+    """(secret, JobTLS or None) from the file named by ``ACTORMESH_SECRET_FILE`` (mode 0600)."""
+    from ..host import read_credentials
 
     path = os.environ.get(SECRET_ENV)
     if not path:
@@ -93,25 +101,28 @@ def secret_from_env(purpose: str) -> bytes:
             f"(e.g. python -c 'import secrets; print(secrets.token_hex(32))' > job.secret && chmod 600 job.secret)"
         )
     try:
-        return read_secret(path)
+        return read_credentials(path)
     except SystemExit as exc:  # read_secret's message for a group/world-readable file
         raise JobError(str(exc)) from None
     except OSError as exc:
         raise JobError(f"cannot read the job secret from {SECRET_ENV}={path}: {exc}") from exc
 
 
-def runtime_with_secret(secret: bytes, purpose: str) -> Any:
-    """The controller's runtime, started with ``secret`` unless it already runs.
+def runtime_with_secret(secret: bytes, purpose: str, tls: Any = None) -> Any:
+    """The controller's runtime, started with ``secret`` (and ``tls``) unless it already runs.
 
     A runtime that already runs with another secret cannot talk to agents
     that hold ``secret``: that is an error naming the fix.
     """
     from ..runtime import current_runtime
 
-    rt = current_runtime(secret=secret)
+    rt = current_runtime(secret=secret, tls=tls)
     if not hmac.compare_digest(rt.secret, secret):
         raise JobError(
             f"{purpose}: this process's runtime started before the job secret was known and uses another secret. "
             f"Set {SECRET_ENV} before the first actormesh call in this process."
         )
+    if tls is not None and (rt.tls is None or rt.tls.ca_pem != tls.ca_pem):
+        raise JobError(f"{purpose}: the job's credentials include TLS material, but this process's runtime started "
+                       f"{'without TLS' if rt.tls is None else 'with another CA'}. Set {SECRET_ENV} before the first actormesh call in this process.")
     return rt

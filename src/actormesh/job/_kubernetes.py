@@ -69,8 +69,10 @@ class KubernetesJob(Job):
 
     _transient = ("_waiter",)
 
-    def manifests(self, controller: str = "tcp:CONTROLLER_HOST:CONTROLLER_PORT", secret: bytes | None = None) -> list[dict[str, Any]]:
-        """The objects :meth:`apply` creates, as dicts (the Secret only when ``secret`` is given)."""
+    def manifests(self, controller: str = "tcp:CONTROLLER_HOST:CONTROLLER_PORT", secret: bytes | None = None,
+                  tls: Any = None) -> list[dict[str, Any]]:
+        """The objects :meth:`apply` creates, as dicts (the Secret only when ``secret`` is given;
+        it also carries ``tls``, the controller's ``JobTLS``, when the job uses TLS)."""
         return agent_manifests(
             name=self.name,
             namespace=self.namespace,
@@ -79,6 +81,7 @@ class KubernetesJob(Job):
             python=self.python,
             controller=controller,
             secret=secret,
+            tls=tls,
             agent_port=self.agent_port,
             resources=self.resources,
             env=self.env,
@@ -117,7 +120,7 @@ class KubernetesJob(Job):
         rt = current_runtime()
         self._waiter = JoinWaiter(rt)
         try:
-            for doc in self.manifests(ctrl, rt.secret):
+            for doc in self.manifests(ctrl, rt.secret, rt.tls):
                 utils.create_from_dict(api, doc, namespace=self.namespace)
         except Exception as exc:
             self._waiter.close()

@@ -88,7 +88,7 @@ class ProcessJob(Job):
         ctrl = controller_address(need_tcp=False, what=repr(self))
         rt = current_runtime()
         self._job_dir = os.path.join(rt.job_dir, f"job-{self._uid}")
-        secret_file = write_secret_file(self._job_dir, rt.secret)
+        secret_file = write_secret_file(self._job_dir, rt.secret, tls=rt.tls)
         self._waiter = JoinWaiter(rt)
         base = [self.python_exe, "-m", "actormesh.host", "--secret-file", secret_file, "--controller", ctrl]
         try:

@@ -14,6 +14,8 @@ import base64
 import json
 from typing import Any
 
+from ..host import format_credentials
+
 __all__ = ["agent_manifests", "to_yaml", "SECRET_DIR"]
 
 SECRET_DIR = "/etc/actormesh"
@@ -29,6 +31,7 @@ def agent_manifests(
     controller: str,
     secret: bytes | None,
     agent_port: int,
+    tls: Any = None,
     resources: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     ttl_seconds_after_finished: int = 300,
@@ -44,7 +47,7 @@ def agent_manifests(
     out: list[dict[str, Any]] = []
     secret_name = f"{name}-secret"
     if secret is not None:
-        data = {"secret": base64.b64encode(secret.hex().encode()).decode()}
+        data = {"secret": base64.b64encode(format_credentials(secret, tls).encode()).decode()}
         out.append({"apiVersion": "v1", "kind": "Secret", "metadata": meta(secret_name), "type": "Opaque", "data": data})
     out.append({
         "apiVersion": "v1",

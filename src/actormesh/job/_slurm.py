@@ -132,7 +132,7 @@ class SlurmJob(Job):
         ctrl = controller_address(need_tcp=True, what=repr(self))
         rt = current_runtime()
         self._dir = os.path.abspath(os.path.join(self.state_dir or os.path.join(".actormesh", "slurm"), f"{self.job_name}-{self._uid}"))
-        secret_file = write_secret_file(self._dir, rt.secret)
+        secret_file = write_secret_file(self._dir, rt.secret, tls=rt.tls)
         script = os.path.join(self._dir, "agents.sbatch")
         with open(script, "w") as f:
             f.write(self.batch_script(ctrl, secret_file))

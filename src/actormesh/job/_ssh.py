@@ -15,6 +15,7 @@ import shlex
 import socket
 from collections.abc import Callable, Sequence
 
+from ..host import format_credentials
 from ._controller import controller_address, is_loopback
 from ._errors import JobError
 from ._job import Job, JobState, check_meshes
@@ -122,7 +123,7 @@ class SSHJob(Job):
         self._waiter = JoinWaiter(rt)
         commands = [(t, [self.ssh, *self.ssh_args, t, self.remote_command(b, ctrl)]) for t, b in targets]
         try:
-            self._agents = start_agents(commands, self._log_dir, agent_env(), stdin_data=rt.secret.hex().encode() + b"\n")
+            self._agents = start_agents(commands, self._log_dir, agent_env(), stdin_data=format_credentials(rt.secret, rt.tls).encode() + b"\n")
         except OSError as exc:
             self._waiter.close()
             raise JobError(f"{self!r}: could not run {self.ssh!r}: {exc}") from exc

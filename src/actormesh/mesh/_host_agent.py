@@ -148,16 +148,17 @@ def agent_mesh(address: str) -> Any:
     return ActorMesh(HostAgent, AGENT_NAME, AGENT_NAME, [address], Shape.unity(), f"<host_agent@{address}", Extent((), ()))
 
 
-def serve_agent(address: str, secret: bytes, controller: str | None = None, name: str | None = None) -> Any:
+def serve_agent(address: str, secret: bytes, controller: str | None = None, name: str | None = None, tls: Any = None) -> Any:
     """Run a host agent in this process (returns its runtime; serve until it closes).
 
-    With ``controller``, the agent dials it and announces itself (JOIN).
+    With ``controller``, the agent dials it and announces itself (JOIN). With
+    ``tls`` (a ``JobTLS``), its TCP channels and its procs' use mutual TLS.
     """
     from ..runtime import ProcRuntime
     from ..runtime._context import set_runtime
 
     transport = "unix" if address.startswith("unix:") else "tcp"
-    rt = ProcRuntime(secret=secret, name=name or f"host-{socket.gethostname()}", listen_address=address, transport=transport)
+    rt = ProcRuntime(secret=secret, name=name or f"host-{socket.gethostname()}", listen_address=address, transport=transport, tls=tls)
     set_runtime(rt)
     payload = dumps((HostAgent, (), {}))
     env = (M.SPAWN, AGENT_NAME, 0, (), (), None, None, AGENT_NAME, f"<host_agent@{rt.address}>", False)

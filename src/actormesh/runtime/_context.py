@@ -43,18 +43,19 @@ def runtime_started() -> bool:
     return _runtime is not None
 
 
-def current_runtime(*, secret: bytes | None = None) -> ProcRuntime:
+def current_runtime(*, secret: bytes | None = None, tls: Any = None) -> ProcRuntime:
     """This process's runtime, starting the controller's on first use.
 
-    ``secret`` is the job secret to start with (jobs whose agents hold one);
-    it is ignored when the runtime already runs: compare ``rt.secret``.
+    ``secret`` (and ``tls``, a ``JobTLS``) are the job credentials to start
+    with, for jobs whose agents hold them; they are ignored when the runtime
+    already runs: compare ``rt.secret``.
     """
     rt = _runtime
     if rt is not None:
         return rt
     with _lock:
         if _runtime is None:
-            rt = ProcRuntime(name="client", secret=secret)
+            rt = ProcRuntime(name="client", secret=secret, tls=tls)
             set_runtime(rt)
             _client_context.actor_instance._display = "<root>"  # type: ignore[union-attr]
             atexit.register(_shutdown_at_exit)

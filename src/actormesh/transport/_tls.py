@@ -10,8 +10,10 @@ job's CA *is* the identity.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import os
+import re
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -29,6 +31,23 @@ class JobTLS:
 
     def __repr__(self) -> str:  # never print key material
         return "JobTLS(<private>)"
+
+    def to_token(self) -> str:
+        """The material as one line (base64 of the PEM blocks): for credential files."""
+        return base64.b64encode((self.ca_pem + self.cert_pem + self.key_pem).encode()).decode()
+
+    @classmethod
+    def from_token(cls, token: str) -> JobTLS:
+        """Inverse of :meth:`to_token`; ValueError for anything else."""
+        try:
+            text = base64.b64decode(token, validate=True).decode()
+        except ValueError as exc:
+            raise ValueError(f"TLS material is not valid base64: {exc}") from None
+        matches = list(re.finditer(r"-----BEGIN ([A-Z ]+)-----.*?-----END \1-----\n?", text, re.S))
+        blocks, found = [m.group(1) for m in matches], [m.group(0) for m in matches]
+        if len(found) != 3 or blocks[:2] != ["CERTIFICATE", "CERTIFICATE"] or "PRIVATE KEY" not in blocks[2]:
+            raise ValueError(f"TLS material must hold a CA certificate, a certificate and a private key, found {blocks}")
+        return cls(*found)
 
     @classmethod
     def generate(cls, common_name: str = "actormesh-job") -> JobTLS:
