@@ -3,7 +3,8 @@
 from ..runtime import hooks as _hooks
 from ._actor_mesh import ActorMesh
 from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, as_endpoint, send
-from ._proc_mesh import HostMesh, ProcMesh, get_or_spawn_controller, install_singleton_handler, proc_mesh_for, this_host, this_proc
+from ._proc_mesh import HostMesh, ProcMesh, proc_mesh_for, this_host, this_proc
+from ._singleton import get_or_spawn_controller, install_singleton_handler
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._value_mesh import ValueMesh
 
