@@ -1,0 +1,154 @@
+"""The event-loop half of :class:`~._cell.Cell`: how an ``async def`` actor runs.
+
+An async actor runs its own event loop on its own thread. The loop thread
+appends envelopes to the cell's deque and sets ``_wake_event`` only when the
+actor's loop sleeps (``_idle``), so a burst costs one wake-up. Endpoints marked
+concurrent run as tasks; the others run one at a time, in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from ..transport import Segment, dumps, loads
+from . import _messages as M
+from ._actor import MeshFailure, _message_rank, _overrides
+from ._channel import Port
+
+log = logging.getLogger("actormesh.actor")
+
+#: Cell-internal envelope kinds (never on the wire).
+_STOP = -1
+_SUPERVISE = -2
+
+
+class _DropPort:
+    """The port given to explicit-port endpoints called without a reply (broadcast)."""
+
+    def send(self, obj: Any) -> None:
+        pass
+
+    def exception(self, exc: BaseException) -> None:
+        pass
+
+
+class AsyncCell:
+    """Mixin of :class:`~._cell.Cell` for async actors (uses the cell's state and helpers)."""
+
+    def _run_async(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._dispatch_async())
+        finally:
+            self._close_mailbox()
+            self._loop.close()
+
+    async def _dispatch_async(self) -> None:
+        self._wake_event = asyncio.Event()
+        ok = self._enter()
+        dq = self._deque
+        while True:
+            if not dq:
+                self._idle = True
+                if not dq:
+                    self._wake_event.clear()
+                    await self._wake_event.wait()
+                self._idle = False
+                continue
+            env, payload = dq.popleft()
+            kind = env[0]
+            if not ok or self.status != "running":
+                self._refuse(env)
+                if kind == _STOP:
+                    return
+                continue
+            if kind == M.CALL:
+                await self._call_async(env, payload)
+            elif kind == _STOP:
+                await self._stop_async(env)
+                return
+            elif kind == _SUPERVISE:
+                await self._supervise_async(env[1])
+
+    async def _call_async(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        reply, index = env[3], env[4]
+        try:
+            prop = self._begin(env)
+        except Exception as exc:
+            self._handle_error(exc, reply, index, False)
+            return
+        if prop.concurrent:
+            task = asyncio.ensure_future(self._run_endpoint(prop, env, payload))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            await asyncio.sleep(0)  # let the body start before the next message (start order)
+            return
+        await self._run_endpoint(prop, env, payload)
+
+    async def _run_endpoint(self, prop: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+        reply, index = env[3], env[4]
+        token = _message_rank.set((index, env[5], env[6]))
+        explicit = prop.explicit_response_port
+        try:
+            args, kwargs = loads(payload)
+            if explicit:
+                port = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
+                await prop._fn(self.instance, port, *args, **kwargs)
+                return
+            result = await prop._fn(self.instance, *args, **kwargs)
+        except Exception as exc:
+            self._handle_error(exc, reply, index, explicit)
+            return
+        except asyncio.CancelledError:
+            if reply is not None and not explicit:
+                self.runtime.reply(reply, index, M.SUPERVISION, dumps(f"The actor {self.display} stopped before the call finished"))
+            raise
+        except BaseException as exc:
+            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}")
+            if reply is not None:
+                self.runtime.reply(reply, index, M.SUPERVISION, dumps(self.dead_text()))
+            return
+        finally:
+            _message_rank.reset(token)
+        if reply is not None:
+            self._reply_value(reply, index, result)
+
+    async def _supervise_async(self, failure: MeshFailure) -> None:
+        try:
+            handled = False
+            if _overrides(type(self.instance), "__supervise__"):
+                handled = self.instance.__supervise__(failure)
+                if inspect.isawaitable(handled):
+                    handled = await handled
+        except Exception as exc:
+            self._fail(f"__supervise__ raised while handling {failure!r}: {''.join(traceback.format_exception(exc))}")
+            return
+        if not handled:
+            self._fail(f"unhandled failure of an owned mesh: {failure.report()}")
+
+    async def _stop_async(self, env: tuple[Any, ...]) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        failure = env[2]
+        exc = RuntimeError(str(failure)) if failure is not None else None
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_owned, "its owner stopped")
+        if self.instance is not None and _overrides(type(self.instance), "__cleanup__"):
+            try:
+                result = self.instance.__cleanup__(exc)
+                if inspect.isawaitable(result):
+                    await asyncio.wait_for(result, self.runtime.config.cleanup_timeout)
+            except Exception:
+                log.exception("__cleanup__ of %s raised", self.display)
+        if failure is not None:
+            self._fail(str(failure), run_cleanup=False)
+            return
+        self.status = "stopped"
+        if env[1] is not None:
+            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
