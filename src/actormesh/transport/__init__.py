@@ -2,7 +2,8 @@
 
 from ._auth import HANDSHAKE_BYTES, Handshake, new_secret
 from ._codec import SerializationError, dumps, loads
-from ._connection import Connection, Listener, connect, listen, parse_address
+from ._connection import Connection, parse_address
+from ._sockets import Listener, connect, listen
 from ._frames import FrameDecoder, Segment, encode_frame
 from ._shm import ShmError, ShmPool
 from ._tls import JobTLS

@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import socket
-import ssl
 import threading
 from collections import deque
 from time import monotonic as _monotonic
@@ -29,7 +27,7 @@ from ._auth import HANDSHAKE_BYTES, Handshake
 from ._frames import FLAG_SHM, FrameDecoder, Segment, ShmFrame, encode_frame
 from ._shm import ShmError, ShmPool, peer_pid_uid
 
-__all__ = ["Connection", "Listener", "connect", "listen", "parse_address"]
+__all__ = ["Connection", "parse_address"]
 
 log = logging.getLogger("actormesh.transport")
 
@@ -328,132 +326,3 @@ class Connection(asyncio.BufferedProtocol):
     def _abort(self, exc: BaseException) -> None:
         if self._transport is not None and not self.closed:
             self._transport.abort()
-
-
-class Listener:
-    """A listening socket; ``address`` is what peers dial."""
-
-    def __init__(self, server: asyncio.AbstractServer, address: str, path: str | None) -> None:
-        self._server = server
-        self.address = address
-        self._path = path
-
-    def close(self) -> None:
-        """Stop accepting (existing connections stay) and remove a Unix socket file."""
-        self._server.close()
-        if self._path:
-            try:
-                os.unlink(self._path)
-            except OSError:
-                pass
-
-
-def _factory(secret: bytes, dialer: bool, loop: asyncio.AbstractEventLoop, opts: dict[str, Any]) -> Callable[[], Connection]:
-    def make() -> Connection:
-        return Connection(secret, dialer=dialer, loop=loop, **opts)
-
-    return make
-
-
-async def listen(
-    address: str,
-    secret: bytes,
-    *,
-    on_connection: Callable[[Connection], None],
-    on_frame: FrameHandler,
-    on_close: CloseHandler,
-    max_frame_bytes: int,
-    handshake_timeout_s: float,
-    ssl_context: ssl.SSLContext | None = None,
-    shm: ShmPool | None = None,
-) -> Listener:
-    """Listen on ``unix:/path`` or ``tcp:host:port`` (port 0 picks a free one).
-
-    ``on_connection`` runs once a peer has authenticated. With ``shm``, large
-    segments to same-host peers travel through that pool's shared memory.
-    """
-    loop = asyncio.get_running_loop()
-    scheme, target = parse_address(address)
-    opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm)
-    inner = _factory(secret, False, loop, opts)
-
-    def make() -> Connection:
-        conn = inner()
-        conn.ready.add_done_callback(lambda f: None if f.exception() else on_connection(conn))
-        return conn
-
-    if scheme == "unix":
-        server = await loop.create_unix_server(make, target)
-        os.chmod(target, 0o600)  # only our own user may even attempt a handshake
-        return Listener(server, address, target)
-    host, port = target
-    server = await loop.create_server(make, host, port, reuse_address=True, ssl=ssl_context, ssl_handshake_timeout=handshake_timeout_s if ssl_context else None)
-    sock = server.sockets[0]
-    bound_host, bound_port = sock.getsockname()[:2]
-    if bound_host in ("0.0.0.0", "::"):
-        bound_host = socket.gethostname()  # a wildcard cannot be dialed: advertise our name
-    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    return Listener(server, f"tcp:{shown}:{bound_port}", None)
-
-
-async def connect(
-    address: str,
-    secret: bytes,
-    *,
-    on_frame: FrameHandler,
-    on_close: CloseHandler,
-    max_frame_bytes: int,
-    handshake_timeout_s: float,
-    timeout_s: float,
-    ssl_context: ssl.SSLContext | None = None,
-    shm: ShmPool | None = None,
-) -> Connection:
-    """Dial and authenticate, retrying with jittered back-off until ``timeout_s``.
-
-    Raises TransportError (or AuthenticationError) naming the address on failure.
-    """
-    loop = asyncio.get_running_loop()
-    scheme, target = parse_address(address)
-    make = _factory(
-        secret,
-        True,
-        loop,
-        dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm),
-    )
-    deadline = loop.time() + timeout_s
-    delay = 0.005
-    refused_since = 0.0
-    last: BaseException | None = None
-    while True:
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            raise TransportError(f"could not connect to {address} within {timeout_s:.1f}s: {last}") from last
-        try:
-            if scheme == "unix":
-                coro = loop.create_unix_connection(make, target)
-            else:
-                coro = loop.create_connection(
-                    make, target[0], target[1], ssl=ssl_context, server_hostname="" if ssl_context else None,
-                    ssl_handshake_timeout=handshake_timeout_s if ssl_context else None,
-                )
-            _, conn = await asyncio.wait_for(coro, remaining)
-            if scheme == "tcp":
-                sock = conn._transport.get_extra_info("socket") if conn._transport else None
-                if sock is not None:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
-            return conn
-        except AuthenticationError:
-            raise
-        except ConnectionRefusedError as exc:
-            if scheme == "unix":
-                # The socket file exists but nobody listens: its process is gone
-                # (after a short grace for a listener caught between bind and listen).
-                refused_since = refused_since or loop.time()
-                if loop.time() - refused_since > 0.5:
-                    raise TransportError(f"nothing listens at {address} (its process has exited)") from exc
-            last = exc
-        except (OSError, asyncio.TimeoutError, TransportError) as exc:
-            last = exc
-        await asyncio.sleep(min(delay * (1 + random.random()), max(0.0, deadline - loop.time())))
-        delay = min(delay * 2, 0.5)
