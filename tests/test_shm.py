@@ -377,3 +377,8 @@ def test_an_unmappable_segment_closes_only_that_connection() -> None:
     finally:
         os.close(fd)
         procs.stop().get(timeout=30)
+
+
+def test_non_contiguous_segments_stay_on_the_socket(pool: ShmPool) -> None:
+    strided = memoryview(bytearray(3 * 8192)).cast("B")[::3]
+    assert pool.export([b"e", strided], "c") is None

@@ -197,12 +197,15 @@ class _Mapping:
         self.data, self.length, self.header, self.token = data, length, header, token
 
     def __del__(self) -> None:
-        _munmap(self.data, self.length)
-        # Only now may the sender reuse the segment: our view of it is gone.
-        state = ctypes.c_uint64.from_address(self.header)
-        if state.value in (self.token, self.token + 1):
-            state.value = 0
-        _munmap(self.header, _PAGE)
+        try:
+            _munmap(self.data, self.length)
+            # Only now may the sender reuse the segment: our view of it is gone.
+            state = ctypes.c_uint64.from_address(self.header)
+            if state.value in (self.token, self.token + 1):
+                state.value = 0
+            _munmap(self.header, _PAGE)
+        except Exception:  # interpreter teardown may have cleared ctypes already; the kernel unmaps at exit
+            pass
 
 
 class ShmPool:
@@ -238,7 +241,7 @@ class ShmPool:
         """
         if not self.threshold or self.closed:
             return None
-        big = [i for i, s in enumerate(segments) if _nbytes(s) >= self.threshold]
+        big = [i for i, s in enumerate(segments) if _nbytes(s) >= self.threshold and (type(s) is bytes or memoryview(s).c_contiguous)]
         if not big:
             return None
         out = list(segments)
