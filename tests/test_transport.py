@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actormesh.actor import Actor, endpoint
-from actormesh.errors import AuthenticationError, ProtocolError
+from actormesh.errors import AuthenticationError, ProtocolError, TransportError
 from actormesh.transport import (
     HANDSHAKE_BYTES,
     FrameDecoder,
@@ -589,3 +589,42 @@ def test_many_bad_connections_at_once_do_not_disturb_the_controller(spawn_procs)
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_dialer_waits_for_a_slow_server_within_its_connect_budget(tmp_path: Path) -> None:
+    """The handshake deadline protects listeners; a dialer waits for a slow server
+    (an agent busy starting many procs) up to its connect timeout, and gives up after it."""
+    import asyncio
+
+    from actormesh.transport import connect
+
+    secret = os.urandom(32)
+
+    async def scenario(delay: float, timeout: float) -> Any:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await asyncio.sleep(delay)  # busy: answers late
+            server = Handshake(secret, dialer=False)
+            writer.write(server.start())
+            while not server.done:
+                chunk = await reader.read(HANDSHAKE_BYTES)
+                if not chunk:
+                    return
+                reply = server.receive(chunk)
+                if reply:
+                    writer.write(reply)
+            await writer.drain()
+            await reader.read()  # hold the connection until the client goes
+
+        path = str(tmp_path / f"slow-{delay}.sock")
+        server = await asyncio.start_unix_server(serve, path)
+        try:
+            conn = await connect(f"unix:{path}", secret, on_frame=lambda c, f: None, on_close=lambda c, e: None,
+                                 max_frame_bytes=1 << 20, handshake_timeout_s=0.2, timeout_s=timeout)
+            conn.close()
+            return conn
+        finally:
+            server.close()
+
+    assert asyncio.run(scenario(delay=0.6, timeout=5.0)).ready.done()
+    with pytest.raises(TransportError, match="could not connect"):
+        asyncio.run(scenario(delay=3.0, timeout=0.8))

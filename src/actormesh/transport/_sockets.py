@@ -107,11 +107,15 @@ async def connect(
     """
     loop = asyncio.get_running_loop()
     scheme, target = parse_address(address)
+    # The handshake deadline protects a listener from idle clients. A dialer
+    # trusts the server it chose: a server slow to answer (e.g. a host agent
+    # starting dozens of procs on few cores) gets the whole connect budget.
     make = _factory(
         secret,
         True,
         loop,
-        dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm),
+        dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=max(handshake_timeout_s, timeout_s), on_frame=on_frame,
+             on_close=on_close, shm=shm),
     )
     deadline = loop.time() + timeout_s
     delay = 0.005
@@ -134,7 +138,11 @@ async def connect(
                 sock = conn._transport.get_extra_info("socket") if conn._transport else None
                 if sock is not None:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
+            try:
+                await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
+            except asyncio.TimeoutError:
+                conn._abort(TransportError("connect deadline passed during the handshake"))
+                raise
             return conn
         except AuthenticationError:
             raise
