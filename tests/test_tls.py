@@ -220,3 +220,31 @@ def test_tls_material_round_trips_as_one_line():
         JobTLS.from_token("not base64!")
     with pytest.raises(ValueError, match="must hold"):
         JobTLS.from_token(__import__("base64").b64encode(tls.ca_pem.encode()).decode())
+
+
+def test_an_unexpected_dial_error_fails_the_route_instead_of_stranding_it(monkeypatch):
+    """Regression: a ValueError from a half-closed TLS socket once left the
+    dial task dead and every message to that peer waiting forever."""
+    import threading
+
+    from actormesh.runtime import _proc, current_runtime
+
+    rt = current_runtime()
+
+    async def broken_connect(*args, **kwargs):
+        raise ValueError("negative file descriptor")
+
+    monkeypatch.setattr(_proc, "connect", broken_connect)
+    address = "tcp:127.0.0.1:9"
+    lost = threading.Event()
+    reasons: list[str] = []
+
+    class Waiter:
+        def peer_lost(self, addr: str, reason: str) -> None:
+            reasons.append(reason)
+            lost.set()
+
+    rt.await_peer(address, Waiter())
+    rt.start_dial(rt.route(address))
+    assert lost.wait(10), "the route was never failed"
+    assert "unreachable" in reasons[0] and "negative file descriptor" in reasons[0]

@@ -190,6 +190,10 @@ class ProcRuntime:
         except (TransportError, OSError) as exc:
             self.peer_gone(route.address, f"the process at {route.address} is unreachable: {exc}")
             return
+        except Exception as exc:  # anything else must still fail the route's waiters, never strand them
+            log.exception("dialing %s failed", route.address)
+            self.peer_gone(route.address, f"the process at {route.address} is unreachable: {type(exc).__name__}: {exc}")
+            return
         conn.tag = route.address
         conn.send([pickle.dumps((M.HELLO, self.address, self.pid, self.hello_error), 5)])
         route.publish(conn)

@@ -89,6 +89,18 @@ async def listen(
     return Listener(server, f"tcp:{shown}:{bound_port}", None)
 
 
+def _set_nodelay(conn: Connection) -> None:
+    # A peer may already have closed the socket (e.g. a TLS listener meeting a
+    # plaintext client): its transport then yields no usable socket; the
+    # handshake wait below reports the closed connection.
+    try:
+        sock = conn._transport.get_extra_info("socket") if conn._transport else None
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, ValueError):
+        pass
+
+
 async def connect(
     address: str,
     secret: bytes,
@@ -135,9 +147,7 @@ async def connect(
                 )
             _, conn = await asyncio.wait_for(coro, remaining)
             if scheme == "tcp":
-                sock = conn._transport.get_extra_info("socket") if conn._transport else None
-                if sock is not None:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _set_nodelay(conn)
             try:
                 await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
             except asyncio.TimeoutError:
