@@ -5,10 +5,14 @@ Example::
     import lightning as L
     from actormesh.actor import this_host
     from actormesh.integrations.lightning import ActorMeshStrategy
+    from actormesh.parallel import Plan
 
     procs = this_host().spawn_procs(per_host={"gpus": 2})
     trainer = L.Trainer(strategy=ActorMeshStrategy(procs), accelerator="cpu", devices=2, max_epochs=1)
     trainer.fit(model, train_dataloaders=loader)   # DDP on the 2 procs; `model` holds the result
+
+    # FSDP2 x tensor parallel on 4 procs (the plan applies to the module holding `blocks`):
+    strategy = ActorMeshStrategy(procs4, plan=Plan(fsdp=2, tp=2))
     procs.stop().get(timeout=30)
 
 Theory of operation
@@ -45,13 +49,22 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 
 from ..actor import ProcMesh
+from ..parallel import Plan
 from ._lightning_launch import ActorMeshEnvironment, ActorMeshLauncher, MeshStrategyMixin
+from ._lightning_plan import ActorMeshModelParallelStrategy, check_plan, needs_model_parallel
 
-__all__ = ["ActorMeshStrategy", "ActorMeshLauncher", "ActorMeshEnvironment"]
+__all__ = ["ActorMeshStrategy", "ActorMeshModelParallelStrategy", "ActorMeshLauncher", "ActorMeshEnvironment"]
 
 
 class ActorMeshStrategy(MeshStrategyMixin, DDPStrategy):
-    """Lightning's DDP, one rank per proc of ``procs``, driven from the controller.
+    """Lightning on ``procs``, one rank per proc, driven from the controller; DDP unless ``plan`` says otherwise.
+
+    ``plan`` (an :class:`actormesh.parallel.Plan`) chooses the parallelism:
+    ``None`` or ``Plan(dp=N)`` is Lightning's DDP (this class); a plan with
+    ``fsdp`` or ``tp`` > 1 makes this call return an
+    :class:`ActorMeshModelParallelStrategy` (FSDP2 and/or tensor parallel,
+    Lightning's ModelParallelStrategy underneath). ``pp`` > 1 is refused:
+    Lightning's loop has no pipeline schedule.
 
     ``Trainer(devices=..., num_nodes=...)`` must describe the mesh: ``devices``
     the procs per host (the ``gpus`` dim, else the last one) and ``num_nodes``
@@ -68,10 +81,17 @@ class ActorMeshStrategy(MeshStrategyMixin, DDPStrategy):
 
     strategy_name = "actormesh"
 
-    def __init__(self, procs: ProcMesh, *, timeout_s: float | None = None, failure_grace_s: float = 30.0,
-                 setup_timeout_s: float = 60.0, **kwargs: Any) -> None:
+    def __new__(cls, procs: Any = None, *args: Any, plan: Plan | None = None, **kwargs: Any) -> Any:
+        # A plan that shards or splits the model needs Lightning's ModelParallelStrategy, not DDP.
+        if cls is ActorMeshStrategy and plan is not None and isinstance(plan, Plan) and needs_model_parallel(plan):
+            return ActorMeshModelParallelStrategy(procs, plan, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, procs: ProcMesh, *, plan: Plan | None = None, timeout_s: float | None = None,
+                 failure_grace_s: float = 30.0, setup_timeout_s: float = 60.0, **kwargs: Any) -> None:
         if not isinstance(procs, ProcMesh):
             raise TypeError(f"ActorMeshStrategy needs a ProcMesh (this_host().spawn_procs(...)), got {type(procs).__name__}")
+        self.plan = None if plan is None else check_plan(plan, procs)
         for name in ("cluster_environment", "start_method"):
             if name in kwargs:
                 raise TypeError(f"ActorMeshStrategy sets {name} itself; do not pass it")
