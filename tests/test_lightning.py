@@ -116,6 +116,8 @@ def test_fit_matches_single_process_and_brings_back_metrics(procs: Any, tmp_path
         assert not torch.equal(value, before[name])
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
     assert trainer.state.finished and trainer.state.fn == "fit"
+    # the fit loop's progress came back: 2 epochs of 64 samples in global batches of 16
+    assert (trainer.current_epoch, trainer.global_step) == (2, 8)
     assert set(trainer.callback_metrics) >= {"train_loss", "world"}
     assert trainer.callback_metrics["world"].item() == 2.0
     assert trainer.logged_metrics["world"].item() == 2.0

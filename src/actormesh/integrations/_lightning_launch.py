@@ -141,6 +141,7 @@ class _RankZeroOutput(NamedTuple):
     best_model_path: str | None
     state_dict: dict[str, Any] | None
     trainer_state: TrainerState
+    loop_state: dict[str, Any] | None
     trainer_results: Any
     metrics: dict[str, dict[str, Any]]
 
@@ -228,6 +229,8 @@ class ActorMeshLauncher(_Launcher):
             # not strict, like Lightning: the model's composition may have changed in the procs
             trainer.lightning_module.load_state_dict(output.state_dict, strict=False)
         trainer.state = output.trainer_state
+        if output.loop_state is not None:  # progress counters: trainer.global_step, current_epoch
+            trainer.fit_loop.load_state_dict(output.loop_state)
         trainer.callback_metrics.update(output.metrics["callback"])
         trainer.logged_metrics.update(output.metrics["logged"])
         trainer.progress_bar_metrics.update(output.metrics["progress_bar"])
@@ -286,7 +289,8 @@ def _collect_rank_zero_results(trainer: pl.Trainer, results: Any, rank: int) -> 
         "progress_bar": dict(trainer.progress_bar_metrics),
     }
     weights = state_dict if trainer.state.fn == TrainerFn.FITTING else None
-    return _RankZeroOutput(None if best is None else str(best), weights, trainer.state, results, metrics)
+    loops = trainer.fit_loop.state_dict() if trainer.state.fn == TrainerFn.FITTING else None
+    return _RankZeroOutput(None if best is None else str(best), weights, trainer.state, loops, results, metrics)
 
 
 def _root_cause(failures: list[BaseException]) -> BaseException:
