@@ -42,6 +42,9 @@ class ProcRuntime:
     that spawned this one (None at the controller).
     """
 
+    address: str
+    root_address: str
+
     def __init__(
         self,
         *,
@@ -96,10 +99,8 @@ class ProcRuntime:
         self._listen_address = listen_address
         #: Large message buffers to same-host procs go through shared memory (transport/_shm.py).
         self.shm = ShmPool(self.config.shm_threshold_bytes, self.config.shm_pool_bytes)
+        self._root_address = root_address
         self._listener: Listener = self.loop_thread.run(self._listen(), timeout=30)
-        self.address = self._listener.address
-        self.root_address = root_address or self.address
-        self._routes[self.address] = LocalRoute(self, self.address, self._dispatch)
 
     def __repr__(self) -> str:
         return f"<ProcRuntime {self.name} at {self.address}>"
@@ -111,7 +112,7 @@ class ProcRuntime:
             addr = f"unix:{os.path.join(self.job_dir, f'{self.name}-{os.getpid()}.sock')}"
         else:
             addr = f"tcp:{self.config.bind_host}:0"
-        return await listen(
+        listener = await listen(
             addr,
             self.secret,
             on_connection=self._on_connection,
@@ -122,6 +123,12 @@ class ProcRuntime:
             ssl_context=self._server_ssl if addr.startswith("tcp:") else None,
             shm=self.shm,
         )
+        # Set on the loop thread before it can run any frame handler: a spawner that
+        # chose our address may dial us (and send) the moment the socket exists.
+        self.address = listener.address
+        self.root_address = self._root_address or self.address
+        self._routes[self.address] = LocalRoute(self, self.address, self._dispatch)
+        return listener
 
     def in_loop(self) -> bool:
         """Whether the caller runs on the loop thread."""
