@@ -96,8 +96,8 @@ class ActorMeshModelParallelStrategy(MeshStrategyMixin, ModelParallelStrategy):
     the strategy applies the plan to the module that holds ``blocks`` (the
     LightningModule or its one child with ``blocks``); parameters outside that
     module stay whole on every rank, their gradients averaged over the
-    data-parallel ranks (as DDP would). Lightning
-    checkpoints are distributed (a folder) unless ``save_distributed_checkpoint=False``.
+    data-parallel ranks (as DDP would). Lightning checkpoints are distributed
+    (a folder of shards) unless ``save_distributed_checkpoint=False``.
     """
 
     strategy_name = "actormesh_model_parallel"
