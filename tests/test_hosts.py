@@ -216,7 +216,13 @@ def test_an_agent_stops_the_procs_of_a_controller_that_died(agents, tmp_path):
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
         ctl.send_signal(signal.SIGKILL)
         ctl.wait(timeout=10)
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=20)
+        watched = []
+        for p in pids:
+            try:
+                watched.append(psutil.Process(p))
+            except psutil.NoSuchProcess:
+                pass  # already stopped by the agent: what we want
+        gone, alive = psutil.wait_procs(watched, timeout=20)
         assert not alive, f"procs {[p.pid for p in alive]} outlived their controller"
         # The agent itself stays and serves the next controller.
         hosts = HostMesh(agents=agents)
