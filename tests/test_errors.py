@@ -8,6 +8,7 @@ DESIGN.md §5.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -773,3 +774,42 @@ def test_default_fault_hook_ends_a_controller_blocked_in_get(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def test_a_child_whose_connection_closed_fails_messages_with_its_exit_status_not_connection_lost():
+    """Regression: messages sent between a child's socket closing and its exit status
+    arriving failed with "connection lost" instead of the exit code (a race seen in CI)."""
+    from actormesh.runtime import current_runtime
+
+    rt = current_runtime()
+    address = "unix:/nonexistent/child.sock"
+    route = rt.expect_child(address)
+    undelivered: list[str] = []
+
+    class FakeConn:
+        tag = address
+
+    def scenario() -> None:
+        route.conn = FakeConn()  # type: ignore[assignment]
+        original = rt.undeliverable
+        rt.undeliverable = lambda env, addr, reason: undelivered.append(reason)  # type: ignore[method-assign]
+        try:
+            rt._on_close(route.conn, None)  # the socket closes first...
+            route.send(("probe",), [b"x"])  # ...a message is sent before the spawner saw the exit...
+            assert route.dead is None and not undelivered
+            rt.peer_gone(address, "the process exited with non-zero code 3", expected=True)  # ...then the status
+        finally:
+            rt.undeliverable = original  # type: ignore[method-assign]
+            rt._routes.pop(address, None)
+
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def on_loop() -> None:
+        try:
+            done.set_result(scenario())
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    rt.loop.call_soon_threadsafe(on_loop)
+    done.result(timeout=10)
+    assert undelivered == ["the process exited with non-zero code 3"]

@@ -215,11 +215,18 @@ class ProcRuntime:
         r = self._routes.get(address)
         if isinstance(r, Route) and r.conn is conn:
             if r.child:
-                # The spawner learns the exit status first and reports it (see _spawn).
+                # The spawner learns the exit status and reports it (see _spawn). Until
+                # then messages queue on the route, so they fail with that status and
+                # not a bare "connection lost"; a status that never comes still fails them.
                 r.conn = None
-                r.dead = r.dead or "connection lost"
+                grace = 2 * self.config.heartbeat_timeout + 5.0
+                self.loop.call_later(grace, self._child_silent, address, r, grace)
                 return
             self.peer_gone(address, f"lost connection to the process at {address}")
+
+    def _child_silent(self, address: str, route: Route, waited: float) -> None:
+        if route.dead is None and route.conn is None and self._routes.get(address) is route:
+            self.peer_gone(address, f"lost connection to the process at {address} (no exit status after {waited:.0f}s)")
 
     def peer_gone(self, address: str, reason: str, *, expected: bool = False) -> None:
         """A peer died or became unreachable: fail everything it owed us. Loop thread.
