@@ -62,14 +62,19 @@ def test_yaml_is_what_the_dicts_say() -> None:
     assert to_yaml([{"a": [], "b": {}, "c": [{"d": True, "e": None}], "f": "x: y"}]) == '---\na: []\nb: {}\nc:\n  - d: true\n    e: null\nf: "x: y"\n'
 
 
-def _validate(docs: list[dict[str, Any]]) -> None:
+def _validate(docs: list[dict[str, Any]]) -> list[str]:
+    """The kinds of ``docs``, each validated against the schema (ValidationError names a bad field)."""
     kv = pytest.importorskip("kubernetes_validate", reason="offline schema check needs kubernetes-validate (a dev dependency)")
+    kinds = []
     for doc in docs:
-        kv.validate(doc, K8S_VERSION, strict=True)  # raises ValidationError naming the field
+        kv.validate(doc, K8S_VERSION, strict=True)
+        kinds.append(doc["kind"])
+    return kinds
 
 
 def test_manifests_validate_against_the_kubernetes_schema() -> None:
-    _validate(_job().manifests("tcp:10.1.2.3:4567", secret=b"\x01" * 32))
+    # the agents' Secret, their headless Service, the agents' Job and the controller's Job
+    assert _validate(_job().manifests("tcp:10.1.2.3:4567", secret=b"\x01" * 32)) == ["Secret", "Service", "Job", "Job"]
 
 
 def test_schema_check_catches_a_wrong_field() -> None:
@@ -89,7 +94,7 @@ def test_examples_are_current_and_valid() -> None:
     spec.loader.exec_module(generate)
     assert (EXAMPLES / "agents.yaml").read_text() == generate.render(), "run python examples/kubernetes/generate.py"
     for name in ("agents.yaml", "controller.yaml"):
-        _validate(list(yaml.safe_load_all((EXAMPLES / name).read_text())))
+        assert _validate(list(yaml.safe_load_all((EXAMPLES / name).read_text())))
 
 
 # -- apply / state / kill against a fake client ---------------------------------------------------
