@@ -102,3 +102,19 @@ def spawn_procs() -> Iterator[Callable[..., Any]]:
             pm.stop().get(timeout=15)
         except Exception:
             pass
+
+
+def module_procs(per_host: dict[str, int], timeout: float = 60) -> Iterator[Any]:
+    """Body of a module-scoped proc-mesh fixture: ``yield from module_procs({"gpus": 2})``.
+
+    The procs are up before the first test's leak check lists child processes,
+    and stopped after the module, pass or fail.
+    """
+    from actormesh.actor import this_host
+
+    pm = this_host().spawn_procs(per_host=per_host)
+    try:
+        pm.initialized.get(timeout=timeout)
+        yield pm
+    finally:
+        pm.stop().get(timeout=30)

@@ -19,6 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import module_procs  # noqa: E402
+
 from actormesh.parallel import Plan, default_tp_plan, gather_state_dict, spawn_trainer  # noqa: E402
 from actormesh.parallel.hf import HFCausalLM, from_hf_state_dict, hf_causal_lm, to_hf_state_dict  # noqa: E402
 from actormesh.parallel.models import lm_loss  # noqa: E402
@@ -118,15 +120,7 @@ def test_hf_module_is_not_imported_by_the_package() -> None:
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[Any]:
-    from actormesh.actor import this_host
-
-    mesh = this_host().spawn_procs(per_host={"gpus": 4})
-    try:
-        # Up before the first test's leak check takes its list of child processes.
-        mesh.initialized.get(timeout=60)
-        yield mesh
-    finally:
-        mesh.stop().get(timeout=30)
+    yield from module_procs({"gpus": 4})
 
 
 def run_plan(procs: Any, plan: Plan, data: list[Any], state: dict[str, Any] | None = None) -> tuple[list[float], dict[str, Any]]:

@@ -13,9 +13,10 @@ pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from conftest import module_procs  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from actormesh.actor import ActorError, SupervisionError, this_host  # noqa: E402
+from actormesh.actor import ActorError, SupervisionError  # noqa: E402
 from actormesh.integrations.lightning import ActorMeshStrategy  # noqa: E402
 
 N_SAMPLES, PER_RANK_BATCH, LR = 64, 8, 0.1
@@ -92,12 +93,7 @@ def reference_weights(epochs: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[Any]:
-    pm = this_host().spawn_procs(per_host={"gpus": 2})
-    try:
-        pm.initialized.get(timeout=30)  # the procs exist before any test's leaked-process baseline
-        yield pm
-    finally:
-        pm.stop().get(timeout=30)
+    yield from module_procs({"gpus": 2})
 
 
 @pytest.mark.timeout(120)

@@ -11,9 +11,9 @@ pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from conftest import module_procs  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from actormesh.actor import this_host  # noqa: E402
 from actormesh.integrations.lightning import ActorMeshModelParallelStrategy, ActorMeshStrategy  # noqa: E402
 from actormesh.parallel import Plan, PlanError  # noqa: E402
 from actormesh.parallel.models import GPTConfig, gpt, lm_loss, synthetic_batches  # noqa: E402
@@ -99,12 +99,7 @@ def fit(procs: Any, tmp_path: Any, model: L.LightningModule, plan: Plan, **strat
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[Any]:
-    pm = this_host().spawn_procs(per_host={"gpus": 2})
-    try:
-        pm.initialized.get(timeout=30)
-        yield pm
-    finally:
-        pm.stop().get(timeout=30)
+    yield from module_procs({"gpus": 2})
 
 
 @pytest.mark.timeout(180)
