@@ -107,6 +107,11 @@ class MeshStrategyMixin:
     parallel_devices: Any
     num_nodes: int
 
+    @staticmethod
+    def _require_procs(procs: Any) -> None:
+        if not isinstance(procs, ProcMesh):
+            raise TypeError(f"ActorMeshStrategy needs a ProcMesh (this_host().spawn_procs(...)), got {type(procs).__name__}")
+
     def _init_mesh(self, procs: ProcMesh, timeout_s: float | None, failure_grace_s: float, setup_timeout_s: float) -> None:
         self.procs = procs
         self.timeout_s = timeout_s

@@ -105,8 +105,7 @@ class ActorMeshModelParallelStrategy(MeshStrategyMixin, ModelParallelStrategy):
     def __init__(self, procs: ProcMesh, plan: Plan, *, timeout_s: float | None = None, failure_grace_s: float = 30.0,
                  setup_timeout_s: float = 60.0, save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
-        if not isinstance(procs, ProcMesh):
-            raise TypeError(f"ActorMeshStrategy needs a ProcMesh (this_host().spawn_procs(...)), got {type(procs).__name__}")
+        self._require_procs(procs)
         self.plan = check_plan(plan, procs)
         super().__init__(data_parallel_size=plan.dp * plan.fsdp, tensor_parallel_size=plan.tp,
                          save_distributed_checkpoint=save_distributed_checkpoint,

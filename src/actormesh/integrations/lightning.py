@@ -89,8 +89,7 @@ class ActorMeshStrategy(MeshStrategyMixin, DDPStrategy):
 
     def __init__(self, procs: ProcMesh, *, plan: Plan | None = None, timeout_s: float | None = None,
                  failure_grace_s: float = 30.0, setup_timeout_s: float = 60.0, **kwargs: Any) -> None:
-        if not isinstance(procs, ProcMesh):
-            raise TypeError(f"ActorMeshStrategy needs a ProcMesh (this_host().spawn_procs(...)), got {type(procs).__name__}")
+        self._require_procs(procs)
         self.plan = None if plan is None else check_plan(plan, procs)
         for name in ("cluster_environment", "start_method"):
             if name in kwargs:

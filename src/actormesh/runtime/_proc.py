@@ -99,13 +99,12 @@ class ProcRuntime:
         self._listen_address = listen_address
         #: Large message buffers to same-host procs go through shared memory (transport/_shm.py).
         self.shm = ShmPool(self.config.shm_threshold_bytes, self.config.shm_pool_bytes)
-        self._root_address = root_address
-        self._listener: Listener = self.loop_thread.run(self._listen(), timeout=30)
+        self._listener: Listener = self.loop_thread.run(self._listen(root_address), timeout=30)
 
     def __repr__(self) -> str:
         return f"<ProcRuntime {self.name} at {self.address}>"
 
-    async def _listen(self) -> Listener:
+    async def _listen(self, root_address: str | None) -> Listener:
         if self._listen_address is not None:
             addr = self._listen_address
         elif self.transport == "unix":
@@ -126,7 +125,7 @@ class ProcRuntime:
         # Set on the loop thread before it can run any frame handler: a spawner that
         # chose our address may dial us (and send) the moment the socket exists.
         self.address = listener.address
-        self.root_address = self._root_address or self.address
+        self.root_address = root_address or self.address
         self._routes[self.address] = LocalRoute(self, self.address, self._dispatch)
         return listener
 
