@@ -28,6 +28,7 @@ __all__ = [
     "ActorError",
     "SupervisionError",
     "MeshStoppedError",
+    "PortClosedError",
     "TransportError",
     "ProtocolError",
     "AuthenticationError",
@@ -64,6 +65,13 @@ class SupervisionError(RuntimeError):
 
 class MeshStoppedError(SupervisionError):
     """The mesh was stopped on purpose; calls on it fail at once."""
+
+
+class PortClosedError(RuntimeError):
+    """``recv()`` on a port that was closed, or on a ``once`` port already used up.
+
+    Nothing more will arrive on that port: open a new ``Channel`` to go on.
+    """
 
 
 class ActorError(Exception):

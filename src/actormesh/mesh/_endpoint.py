@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..errors import SupervisionError
 from ..config import get_config
-from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, messages as M, pick_random
+from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, mark_if_self_call, messages as M, pick_random
 from ..runtime._cast import split
 from ..transport import dumps
 from ._shape import Shape
@@ -114,9 +114,12 @@ class Endpoint(Generic[R]):
         if self._use_tree():
             port = GatherPort(rt, self._what, [], build, self._describe, expected=len(shape))
             port.await_addresses(self._tree(payload, (rt.address, port.port_id)))
+            mark_if_self_call(port.future, self._mesh._mesh_name, self._targets(), self._what)
             return port.future
-        port = GatherPort(rt, self._what, self._targets(), build, self._describe)
+        targets = self._targets()
+        port = GatherPort(rt, self._what, targets, build, self._describe)
         self._cast(payload, (rt.address, port.port_id), range(len(shape)))
+        mark_if_self_call(port.future, self._mesh._mesh_name, targets, self._what)
         return port.future
 
     def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
@@ -145,6 +148,7 @@ class Endpoint(Generic[R]):
         port = OnePort(rt, self._what, addr, lambda _: mesh._member(g))
         shape = mesh._shape
         rt.send(addr, (M.CALL, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes), payload)
+        mark_if_self_call(port.future, mesh._mesh_name, (addr,), self._what)
         return port.future
 
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
@@ -155,9 +159,12 @@ class Endpoint(Generic[R]):
             err = SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what)
             futures = [Future._failed(err) for _ in range(len(self._mesh._shape))]
         else:
-            port = StreamPort(self._mesh._runtime(), self._what, self._targets(), self._describe)
+            targets = self._targets()
+            port = StreamPort(self._mesh._runtime(), self._what, targets, self._describe)
             self._cast(payload, (port.runtime.address, port.port_id), range(len(self._mesh._shape)))
             futures = port.futures
+            for f in futures:
+                mark_if_self_call(f, self._mesh._mesh_name, targets, self._what)
         return iter(futures)
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:

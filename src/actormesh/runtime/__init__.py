@@ -19,6 +19,7 @@ from ._context import context, current_actor_name, current_runtime, enable_trans
 from ._future import Future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
+from ._selfwait import mark_if_self_call
 from ._spawn import ChildProc, spawn_children, stop_children
 from ._supervision import CLIENT_NAME, MeshRecord, RestartPolicy, default_fault_hook
 
@@ -50,6 +51,7 @@ __all__ = [
     "StreamPort",
     "pick_random",
     "ProcRuntime",
+    "mark_if_self_call",
     "ChildProc",
     "spawn_children",
     "stop_children",

@@ -78,11 +78,17 @@ class PortReceiver(Generic[R]):
         self._handler = handler
 
     def recv(self) -> Future[R]:
-        """The next value sent to the port (or the exception sent with ``port.exception``)."""
+        """The next value sent to the port (or the exception sent with ``port.exception``).
+
+        The future claims its message when first observed (``get``/``await``):
+        a ``recv()`` never looked at takes nothing. On a closed port (or a
+        ``once`` port already used) it fails with ``PortClosedError``.
+        """
         return self._handler.recv()
 
     def close(self) -> None:
-        """Stop receiving; later sends to the port are dropped."""
+        """Stop receiving: pending and later ``recv()`` fail with ``PortClosedError``;
+        later sends to the port are dropped."""
         self._handler.close()
 
 

@@ -42,7 +42,7 @@ class Future(Generic[R]):
         print(fut.get(timeout=5))
     """
 
-    __slots__ = ("_state", "_result", "_lock", "_callbacks", "__weakref__")
+    __slots__ = ("_state", "_result", "_lock", "_callbacks", "_wedge", "__weakref__")
 
     def __init__(self, _token: object = None) -> None:
         if _token is not _TOKEN:
@@ -52,6 +52,9 @@ class Future(Generic[R]):
         self._lock = _new_lock()
         self._lock.acquire()
         self._callbacks: list[Callable[[Future[R]], None]] | None = None
+        # Set on a call an actor made to itself: given "get" or "await", says why
+        # that wait can never end here (or None where it can). See _selfwait.
+        self._wedge: Callable[[str], str | None] | None = None
 
     @classmethod
     def _create(cls) -> Future[Any]:
@@ -136,6 +139,8 @@ class Future(Generic[R]):
             if not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0 or math.isinf(timeout):
                 raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         if self._state == _PENDING:
+            if self._wedge is not None:
+                self._refuse_wedge("get")
             try:
                 asyncio.get_running_loop()
             except RuntimeError:
@@ -202,7 +207,14 @@ class Future(Generic[R]):
             raise ValueError("await on a Future needs a running asyncio event loop; use .get() instead") from None
         if self.done():
             return self._outcome()
+        if self._wedge is not None:
+            self._refuse_wedge("await")
         return (yield from self.as_asyncio().__await__())
+
+    def _refuse_wedge(self, how: str) -> None:
+        why = self._wedge(how) if self._wedge is not None else None
+        if why is not None:
+            raise RuntimeError(why)
 
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _VALUE: "done", _THUNK: "done", _ERROR: "failed"}[self._state]

@@ -8,7 +8,9 @@ early ones. This is Monarch's scheme (sequence numbers allocated by the
 originating sender before fan-out, a reorder buffer at the destination).
 
 A gap that never fills (a tree node died with messages for us) is skipped after
-``gap_timeout_s``, so later messages are delayed, never lost for good.
+``gap_timeout_s``, so later messages are delayed, never lost for good. A message
+of a skipped gap that arrives after all is delivered late (out of order) rather
+than dropped: its caller waits on its reply and the sender is alive.
 """
 
 from __future__ import annotations
@@ -42,21 +44,46 @@ class SeqOut:
 
 
 class _Stream:
-    __slots__ = ("expected", "held", "since")
+    __slots__ = ("expected", "held", "since", "skipped")
 
     def __init__(self) -> None:
         self.expected = 0
         self.held: dict[int, tuple[Any, Any]] = {}
         self.since = 0.0
+        # Numbers given up on, as [lo, hi) ranges, each removed once it arrives:
+        # what is below ``expected`` and not in here was released already.
+        self.skipped: list[list[int]] = []
+
+    def take_skipped(self, seq: int) -> bool:
+        """Whether ``seq`` is one a skipped gap gave up on (and forget it)."""
+        for i, (lo, hi) in enumerate(self.skipped):
+            if lo <= seq < hi:
+                if hi - lo == 1:
+                    del self.skipped[i]
+                elif seq == lo:
+                    self.skipped[i][0] += 1
+                elif seq == hi - 1:
+                    self.skipped[i][1] -= 1
+                else:
+                    self.skipped[i : i + 1] = [[lo, seq], [seq + 1, hi]]
+                return True
+        return False
 
 
 class Reorder:
     """Releases each sender's messages in sequence order. Loop thread only."""
 
-    def __init__(self, release: Callable[[Any, Any], None], schedule: Callable[[float, Callable[[], None]], Any], gap_timeout_s: float) -> None:
+    def __init__(
+        self,
+        release: Callable[[Any, Any], None],
+        schedule: Callable[[float, Callable[[], None]], Any],
+        gap_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._release = release
         self._schedule = schedule
         self._gap_timeout_s = gap_timeout_s
+        self._clock = clock
         self._streams: dict[str, _Stream] = {}
 
     def push(self, sender: str, seq: int, env: Any, payload: Any) -> None:
@@ -71,10 +98,13 @@ class Reorder:
                 self._drain(s)
         elif seq > s.expected:
             if not s.held:
-                s.since = time.monotonic()
+                s.since = self._clock()
                 self._schedule(self._gap_timeout_s, lambda: self._check_gap(sender))
             s.held[seq] = (env, payload)
-        # seq < expected: a duplicate of something already released; drop it.
+        elif s.skipped and s.take_skipped(seq):
+            log.warning("message %d from %s arrived after its gap was skipped; delivering it late", seq, sender)
+            self._release(env, payload)
+        # else: a duplicate of something already released; drop it.
 
     def _drain(self, s: _Stream) -> None:
         held = s.held
@@ -87,15 +117,16 @@ class Reorder:
         s = self._streams.get(sender)
         if s is None or not s.held:
             return
-        if time.monotonic() - s.since < self._gap_timeout_s * 0.9:
+        if self._clock() - s.since < self._gap_timeout_s * 0.9:
             self._schedule(self._gap_timeout_s, lambda: self._check_gap(sender))
             return
         first = min(s.held)
         log.warning("messages %d..%d from %s never arrived; skipping the gap", s.expected, first - 1, sender)
+        s.skipped.append([s.expected, first])
         s.expected = first
         self._drain(s)
         if s.held:
-            s.since = time.monotonic()
+            s.since = self._clock()
             self._schedule(self._gap_timeout_s, lambda: self._check_gap(sender))
 
     def forget(self, sender: str) -> None:

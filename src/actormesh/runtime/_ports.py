@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import SupervisionError, make_actor_error
+from ..errors import PortClosedError, SupervisionError, make_actor_error
 from ..transport import Segment, loads
 from ._future import Future
 from ._messages import ERROR, OK, SUPERVISION
@@ -46,7 +46,17 @@ class _PortBase:
         self.runtime.unregister_port(self.port_id)
 
 
-class GatherPort(_PortBase):
+class _Abortable:
+    """``abort``: the runtime closes, so every reply still owed fails now."""
+
+    _addresses: list[str]
+
+    def abort(self, reason: str) -> None:
+        for addr in set(self._addresses):
+            self.peer_lost(addr, reason)  # type: ignore[attr-defined]
+
+
+class GatherPort(_Abortable, _PortBase):
     """Collects one reply per rank; completes a Future with ``build(values)``.
 
     ``call()`` semantics: waits for every rank, then raises the first error in
@@ -127,7 +137,7 @@ class GatherPort(_PortBase):
         self.future._set_thunk(thunk)
 
 
-class StreamPort(_PortBase):
+class StreamPort(_Abortable, _PortBase):
     """N futures completed in arrival order (``stream()``), or one (``call_one``/``choose``)."""
 
     def __init__(self, runtime: ProcRuntime, what: str, addresses: Sequence[str], describe: Callable[[int], str] | None = None) -> None:
@@ -192,6 +202,9 @@ class OnePort:
         else:
             self.future._set_thunk(lambda: decode_reply(status, payload, what))
 
+    def abort(self, reason: str) -> None:
+        self.peer_lost(self._address, reason)
+
     def peer_lost(self, address: str, reason: str) -> None:
         self.runtime.ports.pop(self.port_id, None)
         what = self.what
@@ -200,7 +213,14 @@ class OnePort:
 
 
 class QueuePort(_PortBase):
-    """An open port: every message is queued for ``recv()`` (Channel.open)."""
+    """An open port: every message is queued for ``recv()`` (Channel.open).
+
+    A ``recv()`` future claims its message when it is first observed (``get``,
+    ``await``, ``done``, a callback), not when it is made, so a discarded
+    ``recv()`` takes nothing (Monarch's rule). Closing fails every waiter and
+    every later ``recv()``, like trio's channels; a ``once`` port, after its one
+    message, fails further receives the same way.
+    """
 
     def __init__(self, runtime: ProcRuntime, what: str = "port", once: bool = False) -> None:
         super().__init__(runtime, what)
@@ -208,19 +228,26 @@ class QueuePort(_PortBase):
         self._waiters: deque[Future[Any]] = deque()
         self._lock = threading.Lock()
         self._once = once
+        self._closed: str | None = None  # why receives fail once the queue is empty
 
     def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
         item = (env[3], payload, env[2])
         with self._lock:
-            if self._waiters:
-                fut = self._waiters.popleft()
-            else:
+            if self._closed is not None and not self._once:
+                return  # closed by the receiver: later sends are dropped
+            fut = self._waiters.popleft() if self._waiters else None
+            if fut is None:
                 self._items.append(item)
-                fut = None
+            if self._once:
+                self._closed = "the once=True port already delivered its one message to an earlier recv()"
+                rest, self._waiters = list(self._waiters), deque()
+            else:
+                rest = []
         if fut is not None:
             self._settle(fut, item)
         if self._once:
-            self.close()
+            super().close()
+            self._fail(rest)
 
     def _settle(self, fut: Future[Any], item: tuple[int, Any, Any]) -> None:
         status, payload, rank = item
@@ -233,17 +260,73 @@ class QueuePort(_PortBase):
     ranked = False
 
     def recv(self) -> Future[Any]:
-        fut: Future[Any] = Future._create()
+        """A future of the next message, claimed when first observed."""
+        return _Receive._lazy(self)
+
+    def _claim(self, fut: Future[Any]) -> None:
+        """``fut`` was observed: give it the oldest message, or queue it."""
         with self._lock:
             item = self._items.popleft() if self._items else None
-            if item is None:
+            closed = self._closed
+            if item is None and closed is None:
                 self._waiters.append(fut)
         if item is not None:
             self._settle(fut, item)
-        return fut
+        elif closed is not None:
+            fut._set_exception(PortClosedError(f"recv() on a closed port: {closed}"))
+
+    def close(self, reason: str = "PortReceiver.close() was called") -> None:
+        """Stop receiving: fail every pending and later ``recv()``; drop later sends."""
+        with self._lock:
+            if self._closed is None or self._once:
+                self._closed = reason
+            self._items.clear()
+            waiters, self._waiters = list(self._waiters), deque()
+        super().close()
+        self._fail(waiters)
+
+    def abort(self, reason: str) -> None:
+        """The runtime is closing: nothing will arrive any more."""
+        self.close(reason)
+
+    def _fail(self, waiters: list[Future[Any]]) -> None:
+        for fut in waiters:
+            fut._set_exception(PortClosedError(f"recv() on a closed port: {self._closed}"))
 
     def peer_lost(self, address: str, reason: str) -> None:
         pass
+
+
+class _Receive(Future):  # type: ignore[type-arg]
+    """A ``recv()`` future: asks its port for a message on first observation."""
+
+    __slots__ = ("_port",)
+
+    @classmethod
+    def _lazy(cls, port: QueuePort) -> _Receive:
+        fut = cls._create()
+        fut._port = port
+        return fut  # type: ignore[return-value]
+
+    def _observe(self) -> None:
+        port = self._port
+        if port is not None:
+            with port._lock:
+                mine, self._port = self._port is not None, None
+            if mine:
+                port._claim(self)
+
+    def done(self) -> bool:
+        self._observe()
+        return super().done()
+
+    def get(self, timeout: float | None = None) -> Any:
+        self._observe()
+        return super().get(timeout)
+
+    def _add_done_callback(self, cb: Callable[[Future[Any]], None]) -> None:
+        self._observe()
+        super()._add_done_callback(cb)
 
 
 def _dead_text(describe: Callable[[int], str] | None, index: int, reason: str) -> str:

@@ -408,6 +408,15 @@ class ProcRuntime:
         except Exception:
             pass
         self.loop_thread.stop()
+        # Every waiter belongs to something that fails it when it closes.
+        for handler in list(self.ports.values()):
+            abort = getattr(handler, "abort", None)
+            try:
+                if abort is not None:
+                    abort(f"the runtime of {self.address} was shut down")
+            except Exception:
+                log.exception("failing a port at shutdown failed")
+        self.ports.clear()
         self.shm.close()
 
 
