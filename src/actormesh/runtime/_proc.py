@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import Config, get_config
-from ..errors import ProtocolError, TransportError
+from ..errors import AuthenticationError, ProtocolError, TransportError
 from ..transport import Connection, JobTLS, Listener, Segment, ShmPool, connect, dumps, listen, new_secret
 from . import _messages as M
 from ._loop import LoopThread
@@ -193,6 +193,13 @@ class ProcRuntime:
                 ssl_context=self._client_ssl if route.address.startswith("tcp:") else None,
                 shm=self.shm,
             )
+        except AuthenticationError as exc:
+            self.peer_gone(
+                route.address,
+                f"authentication failed: this handle belongs to another job (the process at {route.address} "
+                f"does not share this controller's job secret; use a mesh handle only inside the job that made it): {exc}",
+            )
+            return
         except (TransportError, OSError) as exc:
             self.peer_gone(route.address, f"the process at {route.address} is unreachable: {exc}")
             return

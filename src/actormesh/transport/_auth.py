@@ -87,7 +87,14 @@ class Handshake:
             theirs = bytes(self._inbox[_HELLO:HANDSHAKE_BYTES])
             expected = self._proof(self._peer_role, self._nonce, self._peer_nonce)
             if not hmac.compare_digest(theirs, expected):
-                raise AuthenticationError("peer failed the HMAC challenge (wrong job secret)")
+                err = AuthenticationError(
+                    "authentication failed: the peer holds a different job secret "
+                    "(the address belongs to another job, or to a job that was restarted)"
+                )
+                # Our proof still goes out, so a dialer with the wrong secret learns
+                # "wrong secret" at once instead of retrying a closed connection.
+                err.reply = out  # type: ignore[attr-defined]
+                raise err
             self.done = True
             self.leftover = bytes(self._inbox[HANDSHAKE_BYTES:])
             self._inbox = bytearray()

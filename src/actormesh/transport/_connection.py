@@ -151,6 +151,12 @@ class Connection(asyncio.BufferedProtocol):
             frames = self._decoder.buffer_updated(nbytes)
         except (ProtocolError, AuthenticationError) as exc:
             log.warning("closing connection from %s: %s", self.peer_name, exc)
+            self._fail_ready(exc)  # a dialer learns the cause, not a bare "closed"
+            reply = getattr(exc, "reply", b"")
+            if reply and self._transport is not None and not self.closed:
+                self._transport.write(reply)
+                self._transport.close()  # flushes the proof, then closes
+                return
             self._abort(exc)
             return
         on_frame = self._on_frame
@@ -326,3 +332,9 @@ class Connection(asyncio.BufferedProtocol):
     def _abort(self, exc: BaseException) -> None:
         if self._transport is not None and not self.closed:
             self._transport.abort()
+
+    def _fail_ready(self, exc: BaseException) -> None:
+        """A dial waiting on the handshake learns the real cause (not "closed")."""
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+            self.ready.exception()  # retrieved: the dialer may have given up already

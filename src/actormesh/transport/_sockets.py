@@ -156,6 +156,13 @@ async def connect(
             return conn
         except AuthenticationError:
             raise
+        except FileNotFoundError as exc:
+            if scheme == "unix" and _job_dir_gone(target):
+                raise TransportError(
+                    f"nothing at {address}: its directory {os.path.dirname(target)} no longer exists, so the "
+                    "process (and the job) that made this address has ended"
+                ) from exc
+            last = exc
         except ConnectionRefusedError as exc:
             if scheme == "unix":
                 # The socket file exists but nobody listens: its process is gone
@@ -168,3 +175,10 @@ async def connect(
             last = exc
         await asyncio.sleep(min(delay * (1 + random.random()), max(0.0, deadline - loop.time())))
         delay = min(delay * 2, 0.5)
+
+
+def _job_dir_gone(path: str) -> bool:
+    """Whether a unix socket's directory is missing (its owner removed it on exit)."""
+    if not path or path.startswith("\0"):
+        return False  # an abstract socket has no directory
+    return not os.path.isdir(os.path.dirname(path) or ".")
