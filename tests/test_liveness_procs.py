@@ -26,14 +26,15 @@ FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
 def hold_gil_computing(at_least_s: float) -> float:
     """Spend at least ``at_least_s`` inside one C call that holds the GIL and
     burns CPU (a catastrophically backtracking regex); return its longest call."""
-    pattern = re.compile(r"(a+)+$")
-    n, took = 16, 0.0
-    while took < 0.05:  # calibrate: each extra character doubles the time
+    pattern = re.compile(r"(a|aa)+$")  # tries every split of n into 1s and 2s: Fibonacci(n) paths
+    growth = (1 + 5**0.5) / 2  # each extra character multiplies the time by this
+    n, took = 20, 0.0
+    while took < 0.05:  # calibrate on this machine, now
         n += 1
         t = time.perf_counter()
         pattern.match("a" * n + "b")
         took = time.perf_counter() - t
-    n += max(0, math.ceil(math.log2(1.5 * at_least_s / took)))
+    n += max(0, math.ceil(math.log(1.2 * at_least_s / took, growth)))
     longest = 0.0
     while longest < at_least_s:
         t = time.perf_counter()
@@ -84,8 +85,8 @@ def test_a_proc_inside_one_long_gil_holding_computation_survives_with_its_state(
         procs = spawn_procs(per_host={"gpus": 1})
     h = procs.spawn("h", Holder)
     pid = h.add.call_one(1).get(timeout=30)
-    held = h.compute.call_one(3.0).get(timeout=120)
-    assert held >= 3.0 * FAST["heartbeat_timeout"]  # silent for three timeouts
+    held = h.compute.call_one(2.5).get(timeout=120)
+    assert held >= 2.5 * FAST["heartbeat_timeout"]  # silent for more than two timeouts
     assert h.add.call_one(2).get(timeout=30) == pid
     assert h.items_now.call_one().get(timeout=30) == [1, 2]
     assert faults.failures == []
@@ -96,7 +97,7 @@ def test_a_proc_inside_a_gil_holding_blocking_call_shorter_than_hung_timeout_sur
         procs = spawn_procs(per_host={"gpus": 1})
     h = procs.spawn("h", Holder)
     pid = h.add.call_one(1).get(timeout=30)
-    assert h.sleep_holding_gil.call_one(3).get(timeout=60) == 0  # no CPU, not runnable, silent 3 s
+    assert h.sleep_holding_gil.call_one(3).get(timeout=60) == 0  # no CPU, not runnable, silent 3 timeouts
     assert h.add.call_one(2).get(timeout=30) == pid
     assert h.items_now.call_one().get(timeout=30) == [1, 2]
     assert faults.failures == []
@@ -153,3 +154,49 @@ def test_a_proc_killed_by_someone_else_is_reported_with_its_signal_and_memory(sp
     assert "Killed(sig=9)" in text and "out-of-memory killer" in text, text
     assert re.search(r"resident memory was 2\d\d MiB", text), text
     faults.wait(1)
+
+
+@pytest.fixture
+def agent(tmp_path):
+    """One host agent on this machine (as on another host), with short liveness settings."""
+    import subprocess
+    import sys
+
+    from actormesh.runtime import current_runtime
+
+    secret = tmp_path / "secret"
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, current_runtime().secret.hex().encode())
+    os.close(fd)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    env.update({f"ACTORMESH_{k.upper()}": str(v) for k, v in FAST.items()})  # the agent judges by its own settings
+    p = subprocess.Popen(
+        [sys.executable, "-m", "actormesh.host", "--address", f"unix:{tmp_path}/agent.sock", "--secret-file", str(secret), "--print-address"],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        yield p.stdout.readline().strip()
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+
+
+def test_a_host_agent_keeps_its_busy_proc_and_reports_its_stopped_one(agent, faults):
+    from actormesh.mesh import HostMesh
+
+    procs = HostMesh(agents=[agent]).spawn_procs(per_host={"gpus": 2})
+    try:
+        h = procs.spawn("h", Holder)
+        pids = h.add.call(1).get(timeout=30).values()
+        busy, victim = h.slice(gpus=0), h.slice(gpus=1)
+        assert busy.compute.call_one(2.5).get(timeout=120) >= 2.5 * FAST["heartbeat_timeout"]
+        assert busy.items_now.call_one().get(timeout=30) == [1]
+        fut = victim.wait.call_one(30.0)
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(SupervisionError, match=r"was stopped \(state T: SIGSTOP"):
+            fut.get(timeout=30)  # the agent's verdict reaches the controller as the cause
+        assert busy.add.call_one(2).get(timeout=30) == pids[0]
+        faults.wait(1)
+    finally:
+        procs.stop().get(timeout=30)

@@ -99,8 +99,10 @@ def _heartbeat(runtime: Any, judge: LivenessJudge) -> None:
     for death in verdicts.deaths:
         child = judged[death.key][0]
         log.warning("proc %s (pid %s) declared %s: %s", child.name, child.popen.pid if child.popen else "?", death.verdict.value, death.reason)
-        _kill(child)
+        # Report first, then kill: a host agent's report then leaves before the
+        # proc's own connections close, so the controller hears the verdict.
         runtime.peer_gone(child.address, death.reason)
+        _kill(child)
     for key, (child, _) in judged.items():
         child.rss_bytes = judge.rss_bytes(key)
     if not runtime.closed:
