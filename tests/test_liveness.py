@@ -217,13 +217,16 @@ def test_exit_reports_say_what_happened():
 
 @pytest.mark.skipif(not proc_available(), reason="needs Linux /proc")
 def test_the_proc_reader_sees_sleeping_stopped_and_gone_processes():
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    p = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
     try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"
+        wait_for(lambda: read_proc(p.pid, False).state == "S", 20)  # type: ignore[union-attr]  # asleep in sleep()
         s = read_proc(p.pid, True)
-        assert s is not None and s.runnable in (True, False) and s.rss_bytes and s.cpu_s >= 0
+        assert s is not None and s.runnable is False and s.rss_bytes and s.rss_bytes > 1 << 20 and s.cpu_s > 0
         os.kill(p.pid, signal.SIGSTOP)
         wait_for(lambda: read_proc(p.pid, False).state == "T", 10)  # type: ignore[union-attr]
     finally:
         p.kill()
         p.wait(timeout=10)
+        p.stdout.close()  # type: ignore[union-attr]
     assert read_proc(p.pid, False) is None

@@ -71,6 +71,8 @@ MIN_PROGRESS_S = 0.03
 MIN_PROGRESS_SHARE = 0.01
 #: A child that is not silent is still sampled this often (its memory, for exit reports).
 SAMPLE_EVERY_S = 1.0
+#: States of a process that exited (zombie, dead): its exit status is on its way.
+_EXITED = frozenset({"Z", "X", "x"})
 
 
 @dataclass(frozen=True)
@@ -196,8 +198,8 @@ class LivenessJudge:
             return None
         if self._read is None:
             return Death(peer.key, Verdict.UNRESPONSIVE, _unresponsive(silent, p))
-        s = self._sample(peer, w, now, threads=True)
-        if s is None or s.state in ("Z", "X", "x"):
+        s = self._sample(peer, w, now, threads=False)
+        if s is None or s.state in _EXITED:
             return None  # it died: the exit watcher reports how
         if s.state == "T":
             return Death(peer.key, Verdict.STOPPED, _stopped(silent))
@@ -205,9 +207,12 @@ class LivenessJudge:
             w.stall_at, w.stall_cpu_s = now, s.cpu_s  # busy (or first look): the window (re)opens
             return None
         stalled = now - w.stall_at
-        if stalled >= p.hung_s and not s.runnable:
-            return Death(peer.key, Verdict.HUNG, _hung(silent, stalled, p, s))
-        return None
+        if stalled < p.hung_s:
+            return None
+        s = self._sample(peer, w, now, threads=True)  # the thread states cost more: only now
+        if s is None or s.state in _EXITED or s.runnable:
+            return None  # waiting for a CPU is not hung: look again next round
+        return Death(peer.key, Verdict.HUNG, _hung(silent, stalled, p, s))
 
     def _sample(self, peer: Peer, w: _Watch, now: float, *, threads: bool) -> ProcSample | None:
         assert self._read is not None
