@@ -133,11 +133,63 @@ def test_a_controller_whose_loop_could_not_run_kills_no_worker(spawn_procs, faul
         procs = spawn_procs(per_host={"gpus": 2})
     h = procs.spawn("h", Holder)
     pids = h.add.call(1).get(timeout=30).values()
+    in_flight = h.slice(gpus=0).wait.call_one(0.5)
     # The controller's main thread holds the GIL for 3 timeouts: its I/O loop
     # (and so its liveness checker) cannot run; nothing arrives meanwhile.
     ctypes.PyDLL(None).sleep(3)
+    assert in_flight.get(timeout=30) is None
     assert h.add.call(2).get(timeout=30).values() == pids
     assert faults.failures == []
+
+
+FROZEN_CONTROLLER = """
+import os, sys
+from actormesh.actor import Actor, endpoint, this_host
+import actormesh.actor as am
+from actormesh.config import configure
+
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+failures = []
+am.unhandled_fault_hook = failures.append
+configure(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+w = procs.spawn("w", Pid)
+print("pids", sorted(w.pid.call().get(timeout=60).values()), flush=True)
+sys.stdin.readline()  # frozen and resumed meanwhile
+print("pids", sorted(w.pid.call().get(timeout=30).values()), "failures", len(failures), flush=True)
+procs.stop().get(timeout=30)
+"""
+
+
+def test_a_controller_frozen_and_resumed_kills_no_worker(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "controller.py"
+    script.write_text(FROZEN_CONTROLLER)
+    p = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        before = p.stdout.readline()
+        assert before.startswith("pids"), before
+        os.kill(p.pid, signal.SIGSTOP)  # Ctrl-Z, a debugger, a paused VM
+        time.sleep(3.0)  # the freeze itself (three heartbeat timeouts), not a wait for anything
+        os.kill(p.pid, signal.SIGCONT)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        after = p.stdout.readline()
+        assert after == f"{before.strip()} failures 0\n"  # the same workers, nothing failed
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)  # never leave it stopped, whatever failed
+        p.kill()
+        p.wait(timeout=30)
+        p.stdin.close()
+        p.stdout.close()
 
 
 def test_a_proc_killed_by_someone_else_is_reported_with_its_signal_and_memory(spawn_procs, faults):
