@@ -19,7 +19,8 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | max_cast_fanout         | 16         | casts to more procs than this travel down a tree of procs |
 | tls                     | False      | mutual TLS on a private per-job CA for TCP channels (needs ``cryptography``) |
 | heartbeat_interval      | 0.5        | seconds of silence after which a spawner pings a child proc |
-| heartbeat_timeout       | 3.0        | seconds of silence after which a child proc is declared hung and killed |
+| heartbeat_timeout       | 3.0        | seconds of silence after which its spawner looks at a child proc in the OS: a stopped one (SIGSTOP) is killed, a busy one never (docs/supervision.md, Liveness) |
+| hung_timeout            | 60.0       | seconds a silent child proc may use no CPU while not runnable before it is declared hung and killed |
 | shm_threshold_bytes     | 1 MiB      | message buffers this large go to same-host procs through shared memory; 0 = never |
 | shm_pool_bytes          | 1 GiB      | idle shared-memory message buffers a process keeps for reuse |
 
@@ -63,6 +64,7 @@ class Config:
     max_cast_fanout: int = 16
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
+    hung_timeout: float = 60.0
     shm_threshold_bytes: int = 1 << 20
     shm_pool_bytes: int = 1 << 30
 

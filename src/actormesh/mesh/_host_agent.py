@@ -7,6 +7,11 @@ so that it dials the controller and announces itself. The agent is an actor
 (``HostAgent``, at the fixed name ``host_agent``) in a runtime of its own, so
 the controller talks to it with ordinary endpoint calls over authenticated
 channels. Procs it spawns are its children: they die with it.
+
+The agent is the liveness judge of its procs (``runtime/_liveness.py``, run by
+the spawner of every proc): it sees them through the OS, so a busy proc is kept
+however long it is silent, and a proc that exited, was stopped or hung is
+reported to the controller with that cause as ``("exit", address, cause)``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ long-lived loop thread, since the signal follows the *thread* that forked.
 
 Exits are watched with a pidfd on the loop (no thread per child). An exit is
 reported with its cause (exit code or signal) to everything waiting on that proc.
+Silent children are judged by the rules of ``_liveness.py``: a stopped or hung
+child is killed (so no late reply can arrive), a busy one never.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import base64
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,26 +30,17 @@ from typing import Any
 from ..transport import dumps
 from . import _messages as M
 from ._future import Future
+from ._liveness import LivenessJudge, Peer, Policy, describe_exit, proc_available, read_proc
 
 log = logging.getLogger("actormesh.spawn")
 
 __all__ = ["ChildProc", "spawn_children", "stop_children", "exit_cause", "kill_all_children"]
 
 
-_SIGNAL_WORDS = {signal.SIGKILL: "Killed", signal.SIGTERM: "Terminated", signal.SIGSEGV: "Segfault", signal.SIGABRT: "Aborted"}
-
-
-def exit_cause(returncode: int) -> str:
-    """Monarch's wording for how a process ended (e.g. ``failed: Killed(sig=9)``)."""
-    if returncode < 0:
-        try:
-            word = _SIGNAL_WORDS.get(signal.Signals(-returncode), signal.Signals(-returncode).name)
-        except ValueError:
-            word = "Signal"
-        return f"the process this actor was running on failed: {word}(sig={-returncode})"
-    if returncode:
-        return f"the process this actor was running on exited with non-zero code {returncode}"
-    return "the process this actor was running on exited"
+def exit_cause(returncode: int, *, rss_bytes: int | None = None, killed_by_spawner: bool = False) -> str:
+    """Monarch's wording for how a process ended (e.g. ``failed: Killed(sig=9)``),
+    with its last seen memory and whether its spawner sent the signal."""
+    return describe_exit(returncode, rss_bytes=rss_bytes, killed_by_spawner=killed_by_spawner)
 
 
 @dataclass
@@ -63,6 +56,12 @@ class ChildProc:
     returncode: int | None = None
     #: Name of the actor (or "client") that spawned it: it dies with its owner.
     owner: str = "client"
+    #: The liveness settings in force when it was spawned.
+    policy: Policy = field(default_factory=Policy)
+    #: Its resident memory when its spawner last looked (for the exit report).
+    rss_bytes: int | None = None
+    #: Whether its spawner sent it SIGKILL.
+    killed: bool = False
 
 
 def _free_tcp_address(host: str) -> str:
@@ -73,34 +72,42 @@ def _free_tcp_address(host: str) -> str:
     return f"tcp:{shown}:{port}"
 
 
-def _heartbeat(runtime: Any) -> None:
-    """Ping quiet children; kill (and so fence) those silent past the timeout.
+def _heartbeat(runtime: Any, judge: LivenessJudge) -> None:
+    """One liveness round (loop thread): ping quiet children, kill (and so fence)
+    those the judge declares stopped or hung, then schedule the next round.
 
-    A SIGSTOPped or wedged proc keeps its socket open, so only silence tells.
-    Killing it guarantees that no late reply from it is ever delivered.
+    A SIGSTOPped or wedged proc keeps its socket open, so only silence and the
+    OS tell. Killing it guarantees that no late reply from it is ever delivered.
     """
     import pickle
-    import time
 
-    cfg = runtime.config
-    now = time.monotonic()
+    judged: dict[str, tuple[ChildProc, Any]] = {}
+    peers = []
     for child in list(runtime.children.values()):
         route = runtime._routes.get(child.address)
         conn = getattr(route, "conn", None)
-        if conn is None or not child.ready.done() or child.stopping:
+        if conn is None or not child.ready.done() or child.stopping or child.popen is None:
             continue
-        quiet = now - conn.last_rx
-        if quiet > cfg.heartbeat_timeout:
-            _kill(child)
-            route.fail(f"the process this actor was running on stopped responding for {quiet:.1f}s (hung) and was killed")
-            runtime.peer_gone(child.address, route.dead)
-        elif quiet > cfg.heartbeat_interval:
-            try:
-                conn.send([pickle.dumps((M.PING,), 5)])
-            except Exception:
-                pass
+        judged[child.address] = (child, conn)
+        peers.append(Peer(child.address, child.popen.pid, conn.last_rx, child.policy))
+    verdicts = judge.tick(peers)
+    for key in verdicts.ping:
+        try:
+            judged[key][1].send([pickle.dumps((M.PING,), 5)])
+        except Exception:
+            pass  # a closed connection is reported by its close
+    for death in verdicts.deaths:
+        child = judged[death.key][0]
+        log.warning("proc %s (pid %s) declared %s: %s", child.name, child.popen.pid if child.popen else "?", death.verdict.value, death.reason)
+        # Report first, then kill: a host agent's report then leaves before the
+        # proc's own connections close, so the controller hears the verdict.
+        runtime.peer_gone(child.address, death.reason)
+        _kill(child)
+    for key, (child, _) in judged.items():
+        child.rss_bytes = judge.rss_bytes(key)
     if not runtime.closed:
-        runtime.loop.call_later(cfg.heartbeat_interval / 2, _heartbeat, runtime)
+        interval = min((p.policy.interval_s for p in peers), default=runtime.config.heartbeat_interval)
+        runtime.loop.call_later(interval / 2, _heartbeat, runtime, judge)
 
 
 def _listen_host(address: str, default: str) -> str:
@@ -117,7 +124,8 @@ def _install_hello(runtime: Any) -> None:
     if getattr(runtime, "children", None) is not None:
         return
     runtime.children = {}
-    runtime.loop.call_soon_threadsafe(_heartbeat, runtime)
+    judge = LivenessJudge(time.monotonic, read_proc if proc_available() else None)
+    runtime.loop.call_soon_threadsafe(_heartbeat, runtime, judge)
 
     def on_hello(conn: Any, env: tuple[Any, ...]) -> bool:
         child = runtime.children.get(env[1])
@@ -164,7 +172,8 @@ def spawn_children(
         else:
             # Children listen on the interface their spawner was reached on.
             address = _free_tcp_address(_listen_host(runtime.address, cfg.bind_host))
-        child = ChildProc(name=name, address=address, owner=owner)
+        child = ChildProc(name=name, address=address, owner=owner,
+                          policy=Policy(cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.hung_timeout))
         runtime.children[address] = child
         runtime.expect_child(address)
         children.append(child)
@@ -256,7 +265,7 @@ def _exited(runtime: Any, child: ChildProc, _: Any) -> None:
     child.returncode = code
     if not child.ready.done():
         child.ready._set_exception(RuntimeError(f"proc {child.name} exited before it was ready ({exit_cause(code)})"))
-    reason = "the proc was stopped" if child.stopping else exit_cause(code)
+    reason = "the proc was stopped" if child.stopping else exit_cause(code, rss_bytes=child.rss_bytes, killed_by_spawner=child.killed)
     runtime.peer_gone(child.address, reason, expected=child.stopping)
     runtime.children.pop(child.address, None)
     child.exited._set_result(code)
@@ -264,6 +273,7 @@ def _exited(runtime: Any, child: ChildProc, _: Any) -> None:
 
 def _kill(child: ChildProc) -> None:
     if child.popen is not None and child.popen.poll() is None:
+        child.killed = True
         try:
             child.popen.kill()
         except OSError:
