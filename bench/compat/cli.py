@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         runner.eprint(f"--files: not in bench/compat/selection.py: {sorted(unknown)}")
         return 2
     work = runner.make_workdir()
+    tests_dir = runner.prepare_tests_dir(tests_dir, work, selection.REWRITES)
     out = Path(args.out) if args.out else REPO / "bench/compat/results" / f"{args.impl}.json"
     files = _load(out) if args.merge else {}
     for name in selection.TEST_FILES:

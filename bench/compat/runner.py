@@ -167,5 +167,27 @@ def make_workdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="compat-"))
 
 
+def prepare_tests_dir(tests_dir: Path, work: Path, rewrites: dict[str, tuple[tuple[str, str], ...]]) -> Path:
+    """A shadow of ``tests_dir``: symlinks to every entry, rewritten copies of the ``rewrites`` files.
+
+    Each (old, new) pair must match exactly one line of its file, so a changed wheel
+    fails loudly instead of silently running the private import.
+    """
+    shadow = work / "tests"
+    shadow.mkdir()
+    for entry in tests_dir.iterdir():
+        if entry.name in rewrites:
+            lines = entry.read_text().splitlines(keepends=True)
+            for old, new in rewrites[entry.name]:
+                hits = [i for i, ln in enumerate(lines) if ln.rstrip("\n") == old]
+                if len(hits) != 1:
+                    raise SystemExit(f"{entry}: expected one line {old!r}, found {len(hits)}; update bench/compat/selection.py REWRITES")
+                lines[hits[0]] = new + "  # bench.compat rewrite of: " + old + "\n"
+            (shadow / entry.name).write_text("".join(lines))
+        elif entry.name != "__pycache__":
+            (shadow / entry.name).symlink_to(entry)
+    return shadow
+
+
 def eprint(*args: object) -> None:
     print(*args, file=sys.stderr, flush=True)
