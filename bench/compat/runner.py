@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,26 +169,22 @@ def make_workdir() -> Path:
 
 
 def prepare_tests_dir(tests_dir: Path, work: Path, rewrites: dict[str, tuple[tuple[str, str], ...]]) -> Path:
-    """A shadow of ``tests_dir``: symlinks to every entry, rewritten copies of the ``rewrites`` files.
+    """A copy of ``tests_dir`` with the ``rewrites`` applied to their files.
 
+    A copy, not symlinks: the tests' subprocesses re-import test modules by name
+    from ``sys.path``, and a symlinked file would resolve to the unrewritten one.
     Each (old, new) pair must match exactly one line of its file, so a changed wheel
     fails loudly instead of silently running the private import.
     """
     shadow = work / "tests"
-    shadow.mkdir()
-    for entry in tests_dir.iterdir():
-        if entry.name in rewrites:
-            lines = entry.read_text().splitlines(keepends=True)
-            for old, new in rewrites[entry.name]:
-                hits = [i for i, ln in enumerate(lines) if ln.rstrip("\n") == old]
-                if len(hits) != 1:
-                    raise SystemExit(f"{entry}: expected one line {old!r}, found {len(hits)}; update bench/compat/selection.py REWRITES")
-                lines[hits[0]] = new + "  # bench.compat rewrite of: " + old + "\n"
-            (shadow / entry.name).write_text("".join(lines))
-        elif entry.name != "__pycache__":
-            (shadow / entry.name).symlink_to(entry)
+    shutil.copytree(tests_dir, shadow, ignore=shutil.ignore_patterns("__pycache__"))
+    for name, pairs in rewrites.items():
+        path = shadow / name
+        lines = path.read_text().splitlines(keepends=True)
+        for old, new in pairs:
+            hits = [i for i, ln in enumerate(lines) if ln.rstrip("\n") == old]
+            if len(hits) != 1:
+                raise SystemExit(f"{tests_dir / name}: expected one line {old!r}, found {len(hits)}; update bench/compat/selection.py REWRITES")
+            lines[hits[0]] = new + "  # bench.compat rewrite of: " + old + "\n"
+        path.write_text("".join(lines))
     return shadow
-
-
-def eprint(*args: object) -> None:
-    print(*args, file=sys.stderr, flush=True)
