@@ -188,3 +188,7 @@ def prepare_tests_dir(tests_dir: Path, work: Path, rewrites: dict[str, tuple[tup
             lines[hits[0]] = new + "  # bench.compat rewrite of: " + old + "\n"
         path.write_text("".join(lines))
     return shadow
+
+
+def eprint(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
