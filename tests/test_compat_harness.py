@@ -110,6 +110,8 @@ def test_runner_keeps_outcomes_of_a_killed_file_and_names_the_hung_test(tmp_path
     (tests / "test_sample.py").write_text(
         textwrap.dedent(
             """
+            import subprocess
+            import sys
             import time
             import pytest
 
@@ -124,6 +126,10 @@ def test_runner_keeps_outcomes_of_a_killed_file_and_names_the_hung_test(tmp_path
                 pass
 
             def test_d_hangs():
+                # like Monarch's isolate_in_subprocess: a child in its own session
+                child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+                with open("child.pid", "w") as f:
+                    f.write(str(child.pid))
                 time.sleep(600)
             """
         )
@@ -148,3 +154,13 @@ def test_runner_keeps_outcomes_of_a_killed_file_and_names_the_hung_test(tmp_path
     assert got["test_b_fails"][0] == "failed" and "one is not two" in got["test_b_fails"][1]
     assert got["test_c_skips"] == ("skipped", "Skipped: not here")
     assert got["test_d_hangs"][0] == "hang"
+    child = int((tmp_path / "work" / "child.pid").read_text())
+    assert not _alive(child), f"the hung test's child {child} outlived the run"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

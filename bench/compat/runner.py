@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +71,14 @@ def check_impl(impl: Impl) -> str | None:
 
 
 def _run_group(cmd: list[str], env: dict[str, str], cwd: str, limit_s: float, log: Path) -> tuple[int | None, float]:
-    """Run ``cmd`` in its own session; kill the whole group at ``limit_s``. Returns (rc or None, seconds)."""
+    """Run ``cmd`` in its own session; kill what it started at ``limit_s``. Returns (rc or None, seconds).
+
+    Monarch's ``isolate_in_subprocess`` starts its children in new sessions, so the
+    process group does not reach them; every process started here carries a unique
+    ``COMPAT_RUN_ID`` in its environment, and whatever still carries it at the end is killed.
+    """
+    run_id = uuid.uuid4().hex
+    env = dict(env, COMPAT_RUN_ID=run_id)
     start = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,16 +86,41 @@ def _run_group(cmd: list[str], env: dict[str, str], cwd: str, limit_s: float, lo
             rc: int | None = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             rc = None
-        # The group outlives pytest when workers leak; end it in both cases.
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
+            pids = _marked(run_id)
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if not pids:
                 break
             if sig == signal.SIGTERM:
-                time.sleep(0.5)
+                _wait_gone(run_id, 2.0)
         proc.wait()
     return rc, time.monotonic() - start
+
+
+def _marked(run_id: str) -> list[int]:
+    """Pids of live processes whose environment holds ``COMPAT_RUN_ID=run_id``."""
+    marker = f"COMPAT_RUN_ID={run_id}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:  # gone, or not ours
+            pass
+    return pids
+
+
+def _wait_gone(run_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _marked(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _read_record(path: Path) -> list[dict]:
