@@ -20,7 +20,7 @@ from ._future import Future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._spawn import ChildProc, spawn_children, stop_children
-from ._supervision import CLIENT_NAME, MeshRecord, RestartPolicy, default_fault_hook
+from ._supervision import CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy, default_fault_hook, kill_proc, stop_mesh
 
 __all__ = [
     "hooks",
@@ -57,4 +57,7 @@ __all__ = [
     "MeshRecord",
     "RestartPolicy",
     "default_fault_hook",
+    "kill_proc",
+    "stop_mesh",
+    "STOP_MARGIN_S",
 ]
