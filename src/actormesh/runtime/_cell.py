@@ -18,14 +18,14 @@ Deadlines: ``__cleanup__`` has ``cleanup_timeout`` seconds. On a stop they count
 from the moment the stop reached this process (the loop thread stamps it), so
 an actor that stops does so within ``cleanup_timeout`` unless an endpoint it is
 running never returns; the owner then kills the proc (see ``_supervision``). A
-sync ``__cleanup__`` runs on a helper thread the actor's thread waits on with
-that deadline; one that overruns is abandoned (logged) and the actor ends.
+sync ``__cleanup__`` runs on the actor's own thread; when it overruns, a timer
+thread declares the actor stopped (logged) and answers the stop, and the
+cleanup is left to run on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 import logging
 import queue
@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ActorError, PortableException
@@ -295,10 +295,13 @@ class Cell(AsyncCell):
         if failure is not None:
             self._fail(str(failure))
             return
-        self._cleanup(None)
-        self.status = "stopped"
-        if env[1] is not None:
-            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
+
+        def stopped() -> None:
+            self.status = "stopped"
+            if env[1] is not None:
+                self.runtime.reply(env[1], env[3], M.OK, dumps(None))
+
+        self._cleanup(None, stopped)
 
     def _stop_owned(self, reason: str) -> None:
         from ._supervision import stop_owned
@@ -308,29 +311,37 @@ class Cell(AsyncCell):
         except Exception:
             log.exception("stopping meshes owned by %s failed", self.display)
 
-    def _cleanup(self, exc: BaseException | None) -> None:
-        """Stop owned meshes, then run a sync ``__cleanup__`` within its deadline."""
+    def _cleanup(self, exc: BaseException | None, finished: Callable[[], None] | None = None) -> None:
+        """Stop owned meshes, then run a sync ``__cleanup__`` (on this, the actor's
+        thread) within its deadline; ``finished`` runs once, when the cleanup
+        returns or when its deadline passes (then from a timer thread, the
+        cleanup left running: the actor counts as done all the same)."""
         self._stop_owned("its owner stopped" if exc is None else "its owner failed")
+        once = threading.Lock()
+
+        def finish() -> None:
+            if once.acquire(blocking=False) and finished is not None:
+                finished()
+
         if self.instance is None or not _overrides(type(self.instance), "__cleanup__"):
+            finish()
             return
         budget = self.cleanup_budget()
-        outcome: list[BaseException | None] = []
-        ctx = contextvars.copy_context()
 
-        def run() -> None:
-            try:
-                ctx.run(self.instance.__cleanup__, exc)
-                outcome.append(None)
-            except BaseException as err:  # reported below, on the actor's thread
-                outcome.append(err)
+        def overran() -> None:
+            log.warning("__cleanup__ of %s did not finish within %.1fs (cleanup_timeout); going on without it", self.display, budget)
+            finish()
 
-        helper = threading.Thread(target=run, name=f"cleanup-{self.name}-{self.rank_raw[0]}", daemon=True)
-        helper.start()
-        helper.join(budget)
-        if not outcome:
-            log.warning("__cleanup__ of %s did not finish within %.1fs (cleanup_timeout); abandoned", self.display, budget)
-        elif outcome[0] is not None:
-            log.error("__cleanup__ of %s raised", self.display, exc_info=outcome[0])
+        timer = threading.Timer(budget, overran)
+        timer.daemon = True
+        timer.start()
+        try:
+            self.instance.__cleanup__(exc)
+        except Exception:
+            log.exception("__cleanup__ of %s raised", self.display)
+        finally:
+            timer.cancel()
+            finish()
 
     def cleanup_budget(self) -> float:
         """Seconds ``__cleanup__`` may still take: up to the stop deadline, else cleanup_timeout."""
