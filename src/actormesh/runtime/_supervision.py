@@ -172,10 +172,14 @@ class _StopWaiter:
             late = sorted(self.pending)
         if not late or self._finished:
             return
+        killed = []
         for addr in sorted({self.addresses[i] for i in late}):
             who = ", ".join(self.record.member(i) for i in late if self.addresses[i] == addr)
             log.warning("%s did not stop within %.1fs (cleanup_timeout + %.1fs); killing its proc %s", who, self.timeout_s - STOP_MARGIN_S, STOP_MARGIN_S, addr)
             kill_proc(self.runtime, addr)
+            killed.append(who)
+        # The stop's outcome, in what later calls on the mesh are told.
+        self.record.stopped = f"{self.record.stopped} ({'; '.join(killed)}: did not stop within {self.timeout_s:.1f}s, proc killed)"
         self._finish()
 
     def _finish(self) -> None:
@@ -195,6 +199,9 @@ def kill_proc(runtime: Any, address: str) -> None:
     A proc this process spawned is SIGKILLed; any other is told to stop (it
     exits within ``cleanup_timeout`` + ``STOP_MARGIN_S``, see ``worker.py``).
     """
+    if address == runtime.address:
+        log.error("an actor of this very process (%s) did not stop in time; it cannot kill itself", address)
+        return
     child = getattr(runtime, "children", {}).get(address)
     if child is not None and child.popen is not None:
         child.stopping = True  # its exit is reported as "the proc was stopped", not a failure
