@@ -51,12 +51,13 @@ __all__ = ["Cell", "install"]
 
 
 def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
-    formatted = prefix + "".join(traceback.format_exception(exc))
+    formatted = "".join(traceback.format_exception(exc))
     if isinstance(exc, ActorError):
         # Relayed from a deeper actor: send the original exception (its type is what
         # callers catch) with both tracebacks, innermost first.
         formatted = f"{exc.exception_formatted.rstrip()}\n\nrelayed by:\n{formatted}"
         exc = exc.exception
+    formatted = prefix + formatted
     try:
         return dumps((PortableException(exc), formatted))
     except TypeError:
