@@ -12,8 +12,8 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | connect_timeout         | 10.0       | seconds to connect and authenticate to a peer |
 | handshake_timeout       | 5.0        | seconds a peer has to finish the HMAC handshake |
 | proc_spawn_timeout      | 30.0       | seconds for a spawned proc to report ready |
-| stop_timeout            | 10.0       | seconds a stopping proc has before it is killed |
-| cleanup_timeout         | 3.0        | seconds ``__cleanup__`` may run at stop |
+| stop_timeout            | 10.0       | seconds a stopping proc has before its spawner kills it |
+| cleanup_timeout         | 3.0        | seconds a stopping actor has to finish and run ``__cleanup__`` (then its proc is killed), and a failed actor's ``__cleanup__`` (docs/supervision.md, Deadlines) |
 | message_delivery_timeout| 30.0       | seconds before an undeliverable message fails |
 | use_uvloop              | True       | use uvloop for event loops when it is installed |
 | max_cast_fanout         | 16         | casts to more procs than this travel down a tree of procs |

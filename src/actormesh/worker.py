@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 
@@ -37,7 +38,7 @@ def main() -> None:
             sys.path.insert(0, p)
 
     from .transport import JobTLS, loads
-    from .runtime import _context, _spawn
+    from .runtime import STOP_MARGIN_S, _context, _spawn
     from .runtime._proc import ProcRuntime
     import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
 
@@ -68,11 +69,15 @@ def main() -> None:
     stop = threading.Event()
 
     def on_stop_proc(env: tuple) -> None:
+        # Every actor has cleanup_timeout to stop (see _cell); one deadline for all of
+        # them, so the proc exits within cleanup_timeout + STOP_MARGIN_S whatever they do.
+        deadline = time.monotonic() + rt.config.cleanup_timeout + STOP_MARGIN_S
+        for cell in list(rt.actors.values()):
+            cell.stop(None)
+
         def run() -> None:
             for cell in list(rt.actors.values()):
-                cell.stop(None)
-            for cell in list(rt.actors.values()):
-                cell.thread.join(rt.config.stop_timeout)
+                cell.thread.join(max(0.0, deadline - time.monotonic()))
             stop.set()
 
         threading.Thread(target=run, name="actormesh-stop", daemon=True).start()

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import IO, Any
 
-from ..mesh import HostMesh
+from ..mesh import HostMesh, release_hosts
 from ._errors import JobError
 
 log = logging.getLogger("actormesh.job")
@@ -146,11 +146,16 @@ class Job(ABC):
     def kill(self) -> None:
         """Release the allocation and stop its host agents (idempotent).
 
-        Stop proc meshes on its hosts first: procs killed under live actors
-        are failures that reach supervision.
+        A deliberate teardown, not a failure: the proc meshes on its hosts are
+        marked stopped (later calls fail at once) and the loss of their procs
+        reaches no ``__supervise__`` or ``unhandled_fault_hook``. Stop them
+        first (``procs.stop()``) for their actors' ``__cleanup__`` to run.
         """
         if self._applied_by is None:
             return
+        if self._state is not None and self._owned_here():
+            for name in self._state.names():
+                release_hosts(self._state[name], f"its job was killed ({self!r})")
         try:
             self._kill()
         finally:

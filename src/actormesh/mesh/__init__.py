@@ -3,7 +3,7 @@
 from ..runtime import hooks as _hooks
 from ._actor_mesh import ActorMesh
 from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, as_endpoint, send
-from ._proc_mesh import HostMesh, ProcMesh, proc_mesh_for, this_host, this_proc
+from ._proc_mesh import HostMesh, ProcMesh, proc_mesh_for, release_hosts, this_host, this_proc
 from ._singleton import get_or_spawn_controller, install_singleton_handler
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._value_mesh import ValueMesh
@@ -17,6 +17,7 @@ __all__ = [
     "send",
     "HostMesh",
     "ProcMesh",
+    "release_hosts",
     "get_or_spawn_controller",
     "this_host",
     "this_proc",

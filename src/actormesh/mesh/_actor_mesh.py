@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from ..runtime import EndpointProperty, Future, GatherPort, MeshRecord, RestartPolicy, current_runtime, messages as M
+from ..runtime import EndpointProperty, Future, MeshRecord, RestartPolicy, current_runtime, stop_mesh
 from ._endpoint import Endpoint, NotAnEndpoint
 from ._shape import Extent, MeshTrait, Point, Shape
 
@@ -89,26 +89,30 @@ class ActorMesh(MeshTrait, Generic[T]):
 
     @property
     def initialized(self) -> Future[Any]:
-        """Completes when every member has run ``__init__`` (owner only)."""
+        """Completes when every member has run ``__init__`` (owner only).
+
+        Raises the error of the first member (in rank order) whose ``__init__``
+        raised, as an ``ActorError`` that is also an instance of the original
+        exception's class; the owner's supervision heard of it first.
+        """
         if self._initialized is None:
             return Future._completed(None)
         return self._initialized
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
-        """Stop every actor of the mesh (``__cleanup__`` runs); later calls fail at once."""
+        """Stop every actor of the mesh (``__cleanup__`` runs); later calls fail at once.
+
+        Bounded: completes within ``cleanup_timeout`` + ``STOP_MARGIN_S`` (1 s).
+        A member still busy then (an endpoint that never returns, a ``__cleanup__``
+        that hangs) has its proc killed; that is logged as the stop's outcome and
+        is not a failure (no supervision event). See docs/supervision.md, "Deadlines".
+        """
         record = self._record
         if record is None:
             raise NotImplementedError("stop() is only available on the mesh its spawner holds, not on a reference")
         if record.stopped is not None:
             return Future._completed(None)
-        record.stopped = reason
-        rt = self._runtime()
-        addresses = record.addresses
-        port = GatherPort(rt, f"{self._name}.stop", addresses, lambda values: None)
-        for i, addr in enumerate(addresses):
-            rt.send(addr, (M.STOP_ACTOR, self._mesh_name, (rt.address, port.port_id), i))
-        fut = port.future
-        return fut
+        return stop_mesh(self._runtime(), record, reason)
 
     async def __aenter__(self) -> ActorMesh[T]:
         return self

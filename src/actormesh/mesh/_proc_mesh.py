@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -38,7 +39,7 @@ from ._logs import pump, sink
 from ._progress import progress
 from ._shape import Extent, MeshTrait, Shape
 
-__all__ = ["ProcMesh", "HostMesh", "this_host", "this_proc", "proc_mesh_for"]
+__all__ = ["ProcMesh", "HostMesh", "this_host", "this_proc", "proc_mesh_for", "release_hosts"]
 
 T = TypeVar("T")
 
@@ -350,10 +351,43 @@ class HostMesh(MeshTrait):
                 agents.append((agent, fut.get(timeout=timeout + 10)))
                 advance(1)
         addresses = [a for _, addrs in agents for a in addrs]
-        return ProcMesh(addresses, shape, base, _ProcMeshState(None, bootstrap=bootstrap, owner=owner, addresses=addresses, agents=agents))
+        state = _ProcMeshState(None, bootstrap=bootstrap, owner=owner, addresses=addresses, agents=agents)
+        _remote_states[id(state)] = state
+        return ProcMesh(addresses, shape, base, state)
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape.extent}>"
+
+
+#: Proc meshes on remote hosts, so that they can be torn down with their hosts.
+_remote_states: weakref.WeakValueDictionary[int, _ProcMeshState] = weakref.WeakValueDictionary()
+
+
+def release_hosts(hosts: HostMesh, reason: str = "its hosts were released") -> None:
+    """The hosts of ``hosts`` are going away on purpose (``job.kill()``, a host mesh
+    shutdown): call this first. The proc meshes that live only on them are marked
+    stopped (later calls fail at once with ``reason``), and the loss of their procs
+    and agents is expected: it reaches no ``__supervise__`` and no
+    ``unhandled_fault_hook``. Calls in flight to those procs still fail.
+    """
+    gone = set(hosts._agents or ())
+    if not gone:
+        return
+    rt = current_runtime()
+    for state in list(_remote_states.values()):
+        mine = [(agent, addrs) for agent, addrs in state.agents or [] if agent in gone]
+        if not mine:
+            continue
+        if len(mine) == len(state.agents or []) and state.stopped is None:
+            state.stopped = reason
+            for record in state.actor_records:
+                if record.stopped is None:
+                    record.stopped = reason
+        for _, addrs in mine:
+            for address in addrs:
+                rt.expect_gone(address)
+    for agent in gone:
+        rt.expect_gone(agent)
 
 
 def this_host() -> HostMesh:

@@ -21,7 +21,7 @@ from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._selfwait import mark_if_self_call
 from ._spawn import ChildProc, spawn_children, stop_children
-from ._supervision import CLIENT_NAME, MeshRecord, RestartPolicy, default_fault_hook
+from ._supervision import CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy, default_fault_hook, kill_proc, stop_mesh
 
 __all__ = [
     "hooks",
@@ -59,4 +59,7 @@ __all__ = [
     "MeshRecord",
     "RestartPolicy",
     "default_fault_hook",
+    "kill_proc",
+    "stop_mesh",
+    "STOP_MARGIN_S",
 ]

@@ -10,7 +10,17 @@ loop only when it sleeps, so a burst costs one wake-up.
 
 States: ``init`` -> ``running`` -> ``stopped`` | ``failed``. A failed or stopped
 actor answers every later call with a supervision error at once, from the loop
-thread. A failure is reported to the owner (``FAILURE`` envelope).
+thread. A failure is reported to the owner (``FAILURE`` envelope) before anyone
+else hears of it and before ``__cleanup__`` runs, so a cleanup that hangs
+cannot keep the owner in the dark.
+
+Deadlines: ``__cleanup__`` has ``cleanup_timeout`` seconds. On a stop they count
+from the moment the stop reached this process (the loop thread stamps it), so
+an actor that stops does so within ``cleanup_timeout`` unless an endpoint it is
+running never returns; the owner then kills the proc (see ``_supervision``). A
+sync ``__cleanup__`` runs on the actor's own thread; when it overruns, a timer
+thread declares the actor stopped (logged) and answers the stop, and the
+cleanup is left to run on.
 """
 
 from __future__ import annotations
@@ -20,9 +30,10 @@ import inspect
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ActorError, PortableException
@@ -39,13 +50,14 @@ __all__ = ["Cell", "install"]
 
 
 
-def _error_payload(exc: BaseException) -> list[Segment]:
+def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
     formatted = "".join(traceback.format_exception(exc))
     if isinstance(exc, ActorError):
         # Relayed from a deeper actor: send the original exception (its type is what
         # callers catch) with both tracebacks, innermost first.
         formatted = f"{exc.exception_formatted.rstrip()}\n\nrelayed by:\n{formatted}"
         exc = exc.exception
+    formatted = prefix + formatted
     try:
         return dumps((PortableException(exc), formatted))
     except TypeError:
@@ -73,6 +85,8 @@ class Cell(AsyncCell):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._post_lock = threading.Lock()
         self._closed = False
+        #: monotonic time by which a requested stop must be done (set by the loop thread).
+        self.stop_deadline: float | None = None
         if is_async:
             self._loop = new_event_loop()
             self._deque: deque[tuple[Any, Any]] = deque()
@@ -133,7 +147,12 @@ class Cell(AsyncCell):
         return f"The actor {self.display} and all its descendants have failed:\n  {self.cause}"
 
     def stop(self, reply: tuple[str, int] | None, index: int = 0) -> None:
-        """Stop after the messages already queued (loop thread); reply as ``index``."""
+        """Stop after the messages already queued (loop thread); reply as ``index``.
+
+        The actor has ``cleanup_timeout`` seconds from now to be done.
+        """
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.runtime.config.cleanup_timeout
         self.post((_STOP, reply, None, index), ())
 
     def request_stop(self, failure: str | None) -> None:
@@ -178,7 +197,9 @@ class Cell(AsyncCell):
         except BaseException as exc:
             self._fail(f"actor failed in __init__: {''.join(traceback.format_exception(exc))}", run_cleanup=False)
             if self._spawn_reply is not None:
-                self.runtime.reply(self._spawn_reply, self.rank_raw[0], M.OK, dumps(None))
+                # ``mesh.initialized`` raises this member's error (after the owner heard).
+                payload = _error_payload(exc, f"{self.display} failed in __init__:\n")
+                self.runtime.reply(self._spawn_reply, self.rank_raw[0], M.ERROR, payload)
             return False
         self.status = "running"
         if self._spawn_reply is not None:
@@ -239,9 +260,7 @@ class Cell(AsyncCell):
             self._handle_error(exc, reply, index, explicit)
             return
         except BaseException as exc:
-            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}")
-            if reply is not None:
-                self.runtime.reply(reply, index, M.SUPERVISION, dumps(self.dead_text()))
+            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}", reply=(reply, index))
             return
         finally:
             _message_rank.reset(token)
@@ -261,9 +280,7 @@ class Cell(AsyncCell):
             self.runtime.reply(reply, index, M.ERROR, _error_payload(exc))
             return
         # No one to tell: like an Erlang process, the actor dies and its owner hears.
-        self._fail(f"actor explicitly aborted due to: {''.join(traceback.format_exception(exc))}")
-        if explicit and reply is not None:
-            self.runtime.reply(reply, index, M.SUPERVISION, dumps(self.dead_text()))
+        self._fail(f"actor explicitly aborted due to: {''.join(traceback.format_exception(exc))}", reply=(reply, index) if explicit else None)
 
     def _supervise_sync(self, failure: MeshFailure) -> None:
         try:
@@ -279,10 +296,13 @@ class Cell(AsyncCell):
         if failure is not None:
             self._fail(str(failure))
             return
-        self._cleanup(None)
-        self.status = "stopped"
-        if env[1] is not None:
-            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
+
+        def stopped() -> None:
+            self.status = "stopped"
+            if env[1] is not None:
+                self.runtime.reply(env[1], env[3], M.OK, dumps(None))
+
+        self._cleanup(None, stopped)
 
     def _stop_owned(self, reason: str) -> None:
         from ._supervision import stop_owned
@@ -292,27 +312,63 @@ class Cell(AsyncCell):
         except Exception:
             log.exception("stopping meshes owned by %s failed", self.display)
 
-    def _cleanup(self, exc: BaseException | None) -> None:
+    def _cleanup(self, exc: BaseException | None, finished: Callable[[], None] | None = None) -> None:
+        """Stop owned meshes, then run a sync ``__cleanup__`` (on this, the actor's
+        thread) within its deadline; ``finished`` runs once, when the cleanup
+        returns or when its deadline passes (then from a timer thread, the
+        cleanup left running: the actor counts as done all the same)."""
         self._stop_owned("its owner stopped" if exc is None else "its owner failed")
+        once = threading.Lock()
+
+        def finish() -> None:
+            if once.acquire(blocking=False) and finished is not None:
+                finished()
+
         if self.instance is None or not _overrides(type(self.instance), "__cleanup__"):
+            finish()
             return
+        budget = self.cleanup_budget()
+
+        def overran() -> None:
+            log.warning("__cleanup__ of %s did not finish within %.1fs (cleanup_timeout); going on without it", self.display, budget)
+            finish()
+
+        timer = threading.Timer(budget, overran)
+        timer.daemon = True
+        timer.start()
         try:
             self.instance.__cleanup__(exc)
         except Exception:
             log.exception("__cleanup__ of %s raised", self.display)
+        finally:
+            timer.cancel()
+            finish()
 
-    def _fail(self, cause: str, run_cleanup: bool = True) -> None:
+    def cleanup_budget(self) -> float:
+        """Seconds ``__cleanup__`` may still take: up to the stop deadline, else cleanup_timeout."""
+        timeout = self.runtime.config.cleanup_timeout
+        if self.stop_deadline is None or self.status == "failed":
+            return timeout
+        return max(0.0, min(timeout, self.stop_deadline - time.monotonic()))
+
+    def _fail(self, cause: str, run_cleanup: bool = True, reply: tuple[Any, int] | None = None) -> None:
+        """Mark the actor failed; tell the owner, then ``reply`` (a waiting caller), then clean up.
+
+        The owner hears first: a ``__cleanup__`` that hangs cannot delay the report.
+        """
         if self.status in ("failed", "stopped"):
             return
         self.status = "failed"
         self.cause = cause.rstrip()
+        owner = self.owner
+        if owner is not None:
+            self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display, self.runtime.address))
+        if reply is not None and reply[0] is not None:
+            self.runtime.reply(reply[0], reply[1], M.SUPERVISION, dumps(self.dead_text()))
         if run_cleanup and not self.is_async:
             self._cleanup(RuntimeError(self.cause))
         elif self.is_async:
             threading.Thread(target=self._stop_owned, args=("its owner failed",), daemon=True).start()
-        owner = self.owner
-        if owner is not None:
-            self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display, self.runtime.address))
 
 
 def install(runtime: Any) -> None:

@@ -109,9 +109,7 @@ class AsyncCell:
                 self.runtime.reply(reply, index, M.SUPERVISION, dumps(f"The actor {self.display} stopped before the call finished"))
             raise
         except BaseException as exc:
-            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}")
-            if reply is not None:
-                self.runtime.reply(reply, index, M.SUPERVISION, dumps(self.dead_text()))
+            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}", reply=(reply, index))
             return
         finally:
             _message_rank.reset(token)
@@ -132,22 +130,31 @@ class AsyncCell:
             self._fail(f"unhandled failure of an owned mesh: {failure.report()}")
 
     async def _stop_async(self, env: tuple[Any, ...]) -> None:
+        """Stop (or abort with a failure): cancel concurrent endpoints, then clean up.
+
+        An abort reports the failure to the owner first. ``__cleanup__`` gets what
+        is left of the stop deadline (``cleanup_timeout`` on a failure).
+        """
+        failure = env[2]
+        if failure is not None:
+            self._fail(str(failure), run_cleanup=False)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        failure = env[2]
+            await asyncio.wait(list(self._tasks), timeout=self.cleanup_budget())
         exc = RuntimeError(str(failure)) if failure is not None else None
         await asyncio.get_running_loop().run_in_executor(None, self._stop_owned, "its owner stopped")
         if self.instance is not None and _overrides(type(self.instance), "__cleanup__"):
+            budget = self.cleanup_budget()
             try:
                 result = self.instance.__cleanup__(exc)
                 if inspect.isawaitable(result):
-                    await asyncio.wait_for(result, self.runtime.config.cleanup_timeout)
+                    await asyncio.wait_for(result, budget)
+            except asyncio.TimeoutError:
+                log.warning("__cleanup__ of %s did not finish within %.1fs (cleanup_timeout); abandoned", self.display, budget)
             except Exception:
                 log.exception("__cleanup__ of %s raised", self.display)
         if failure is not None:
-            self._fail(str(failure), run_cleanup=False)
             return
         self.status = "stopped"
         if env[1] is not None:

@@ -84,6 +84,7 @@ class ProcRuntime:
         self._early: dict[str, list[tuple[Envelope, Sequence[Segment]]]] = {}
         self.seq_out = SeqOut()
         self._gone: set[str] = set()
+        self._expected_gone: set[str] = set()
         self._reorder = Reorder(self._release, lambda delay, fn: self.loop.call_later(delay, fn), min(5.0, self.config.message_delivery_timeout))
         self.closed = False
         #: Hooks installed by the cell/spawn modules (keeps this module free of them).
@@ -237,22 +238,32 @@ class ProcRuntime:
     def peer_gone(self, address: str, reason: str, *, expected: bool = False) -> None:
         """A peer died or became unreachable: fail everything it owed us. Loop thread.
 
-        ``expected`` (the proc was stopped on purpose) skips supervision hooks.
+        ``expected`` (the proc was stopped on purpose, or named in
+        :meth:`expect_gone`) skips supervision hooks. Supervision hears first:
+        the hooks run before any caller's future fails for this cause, so an
+        owner (or ``unhandled_fault_hook``) is never told later than a caller.
         """
         r = self._routes.get(address)
-        pending = r.fail(reason) if isinstance(r, Route) else []
+        pending = r.fail(reason) if isinstance(r, Route) else []  # marks the route dead first
+        if address in self._expected_gone:
+            self._expected_gone.discard(address)
+            expected = True
+        if address not in self._gone:  # else supervision already heard (e.g. bootstrap failure, then exit)
+            self._gone.add(address)
+            for hook in [] if expected else list(self.on_peer_lost):
+                try:
+                    hook(address, reason)
+                except Exception:
+                    log.exception("peer-lost hook failed")
         for env, _ in pending:
             self.undeliverable(env, address, reason)
         for handler in list(self._waiting_on.pop(address, ())):
             handler.peer_lost(address, reason)
-        if address in self._gone:
-            return  # supervision already heard about this peer (e.g. bootstrap failure, then exit)
-        self._gone.add(address)
-        for hook in [] if expected else list(self.on_peer_lost):
-            try:
-                hook(address, reason)
-            except Exception:
-                log.exception("peer-lost hook failed")
+
+    def expect_gone(self, address: str) -> None:
+        """The peer at ``address`` is being torn down on purpose (a job kill, a host
+        mesh stop): its loss is not a failure and reaches no supervision hook."""
+        self._expected_gone.add(address)
 
     # -- reply ports ------------------------------------------------------------------------
     def register_port(self, handler: Any) -> int:
