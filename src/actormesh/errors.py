@@ -13,7 +13,10 @@
     │   └── TransportError         the system failed to move bytes (connection lost,
     │       │                      peer unreachable, timed out connecting).
     │       ├── ProtocolError      the peer broke protocol: malformed or oversized frame.
-    │       └── AuthenticationError  the peer failed the HMAC handshake.
+    │       ├── AuthenticationError  the peer failed the HMAC handshake.
+    │       └── ResourceExhaustedError  a process ran out of descriptors or memory taking
+    │                              in one message: that message failed (it never ran),
+    │                              the process lives. Names the process and the resource.
     └── ConfigError(ValueError)    a setting was unknown or had the wrong type.
 
 Lower layers raise the transport errors; the runtime translates them into
@@ -32,6 +35,7 @@ __all__ = [
     "TransportError",
     "ProtocolError",
     "AuthenticationError",
+    "ResourceExhaustedError",
     "ConfigError",
 ]
 
@@ -46,6 +50,16 @@ class ProtocolError(TransportError):
 
 class AuthenticationError(TransportError):
     """The peer did not prove knowledge of the job secret."""
+
+
+class ResourceExhaustedError(TransportError):
+    """A process could not take in one message: it ran out of file descriptors or
+    memory (opening shared memory, mapping, decoding). The message was not run;
+    the process serves on. ``resource`` is ``"file descriptors"`` or ``"memory"``."""
+
+    def __init__(self, message: str, resource: str = "") -> None:
+        super().__init__(message)
+        self.resource = resource
 
 
 class ConfigError(ValueError):

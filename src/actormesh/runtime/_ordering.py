@@ -40,6 +40,14 @@ class SeqOut:
                 c = self._counters.setdefault(address, itertools.count())
         return next(c)  # atomic in CPython
 
+    def forget(self, address: str) -> None:
+        """Drop the counter of a destination that is gone for good."""
+        with self._lock:
+            self._counters.pop(address, None)
+
+    def __len__(self) -> int:
+        return len(self._counters)
+
 
 class _Stream:
     __slots__ = ("expected", "held", "since")
@@ -101,3 +109,6 @@ class Reorder:
     def forget(self, sender: str) -> None:
         """Drop state for a sender that is gone."""
         self._streams.pop(sender, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)

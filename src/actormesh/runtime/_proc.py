@@ -12,15 +12,17 @@ import itertools
 import logging
 import os
 import pickle
-import tempfile
 import threading
+import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import Config, get_config
-from ..errors import ProtocolError, TransportError
-from ..transport import Connection, JobTLS, Listener, Segment, ShmPool, connect, dumps, listen, new_secret
+from ..errors import PortableException, ProtocolError, ResourceExhaustedError, TransportError
+from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, connect, dumps, listen, new_secret
 from . import _messages as M
+from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
 from ._ordering import Reorder, SeqOut
 from ._routes import LocalRoute, Route
@@ -31,7 +33,8 @@ __all__ = ["ProcRuntime"]
 
 Envelope = tuple[Any, ...]
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
-_job_dirs: list[str] = []
+#: Dead peers remembered so that late sends to them fail at once (oldest forgotten first).
+MAX_TOMBSTONES = 1024
 
 
 class ProcRuntime:
@@ -62,10 +65,10 @@ class ProcRuntime:
         self.name = name
         self.pid = os.getpid()
         self.transport = transport or self.config.default_transport
+        #: Whether this runtime made its job directory (then it removes it on close).
+        self.owns_job_dir = job_dir is None
         if job_dir is None:
-            job_dir = tempfile.mkdtemp(prefix="actormesh-")
-            os.chmod(job_dir, 0o700)
-            _job_dirs.append(job_dir)
+            job_dir = make_job_dir()
         self.job_dir = job_dir
         self.tls = tls
         if tls is None and self.config.tls and self.transport == "tcp":
@@ -83,7 +86,8 @@ class ProcRuntime:
         self._waiting_on: dict[str, set[Any]] = {}
         self._early: dict[str, list[tuple[Envelope, Sequence[Segment]]]] = {}
         self.seq_out = SeqOut()
-        self._gone: set[str] = set()
+        #: Routes of peers that are gone, most recent last (bounded: MAX_TOMBSTONES).
+        self._dead: OrderedDict[str, Route] = OrderedDict()
         self._reorder = Reorder(self._release, lambda delay, fn: self.loop.call_later(delay, fn), min(5.0, self.config.message_delivery_timeout))
         self.closed = False
         #: Hooks installed by the cell/spawn modules (keeps this module free of them).
@@ -139,16 +143,22 @@ class ProcRuntime:
         r = self._routes.get(address)
         if r is None:
             with self._routes_lock:
-                r = self._routes.get(address)
+                r = self._routes.get(address) or self._dead.get(address)
                 if r is None:
                     r = Route(self, address)
                     self._routes[address] = r
         return r
 
+    def peer_dead(self, address: str) -> str | None:
+        """Why ``address`` is gone for good, or None while it may be reached."""
+        r = self._routes.get(address) or self._dead.get(address)
+        return r.dead if r is not None else None
+
     def expect_child(self, address: str) -> Route:
         """Register a child proc's address: it dials us, we never dial it."""
         with self._routes_lock:
             r = Route(self, address, child=True)
+            self._dead.pop(address, None)  # a TCP port can come back with a new proc
             self._routes[address] = r
         return r
 
@@ -158,11 +168,11 @@ class ProcRuntime:
         Actor-directed messages (CALL, STOP_ACTOR) get ``(sender, seq)`` appended:
         the destination releases them in that order whatever path they took.
         """
-        if env[0] in _SEQUENCED:
-            env = (*env, self.address, self.seq_out.next(address))
         r = self._routes.get(address)
         if r is None:
             r = self.route(address)
+        if env[0] in _SEQUENCED and r.dead is None:  # a dead peer gets no counter back
+            env = (*env, self.address, self.seq_out.next(address))
         r.send(env, payload)
 
     def messages_sent(self) -> int:
@@ -232,20 +242,71 @@ class ProcRuntime:
 
         ``expected`` (the proc was stopped on purpose) skips supervision hooks.
         """
-        r = self._routes.get(address)
-        pending = r.fail(reason) if isinstance(r, Route) else []
+        r = self._routes.get(address) or self._dead.get(address)
+        if isinstance(r, LocalRoute):
+            return  # this very process
+        if r is None:
+            r = Route(self, address)
+        pending = r.fail(reason)
         for env, _ in pending:
             self.undeliverable(env, address, reason)
         for handler in list(self._waiting_on.pop(address, ())):
             handler.peer_lost(address, reason)
-        if address in self._gone:
+        if address in self._dead:
             return  # supervision already heard about this peer (e.g. bootstrap failure, then exit)
-        self._gone.add(address)
+        self._dead[address] = r
         for hook in [] if expected else list(self.on_peer_lost):
             try:
                 hook(address, reason)
             except Exception:
                 log.exception("peer-lost hook failed")
+        self._forget(address, r)
+
+    def _forget(self, address: str, route: Route) -> None:
+        """Prune what this process kept about a peer that is gone (loop thread).
+
+        Its route stays as a tombstone (bounded) so that late sends fail fast;
+        everything else keyed by it goes, so the tables do not grow with every
+        proc ever spawned.
+        """
+        with self._routes_lock:
+            if self._routes.get(address) is route:
+                del self._routes[address]
+            while len(self._dead) > MAX_TOMBSTONES:
+                self._dead.popitem(last=False)
+        self.seq_out.forget(address)
+        self._reorder.forget(address)
+        self._waiting_on.pop(address, None)
+        owned = getattr(self, "owned_meshes", None)
+        if owned:
+            for name, record in list(owned.items()):
+                if address in record.addresses and not any(self._live(a) for a in record.addresses):
+                    del owned[name]  # every member's proc is gone: it can fail no more
+        if route.child and address.startswith("unix:"):
+            path = address[5:]
+            if os.path.dirname(path) == self.job_dir:  # a socket we named; its proc may have been killed
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    def _live(self, address: str) -> bool:
+        r = self._routes.get(address)
+        return r is not None and r.dead is None
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in this process's per-peer tables (diagnostics; tests check nothing leaks)."""
+        return {
+            "routes": len(self._routes),
+            "tombstones": len(self._dead),
+            "seq_out": len(self.seq_out),
+            "reorder": len(self._reorder),
+            "waiting_on": len(self._waiting_on),
+            "early": len(self._early),
+            "ports": len(self.ports),
+            "children": len(getattr(self, "children", {})),
+            "owned_meshes": len(getattr(self, "owned_meshes", {})),
+        }
 
     # -- reply ports ------------------------------------------------------------------------
     def register_port(self, handler: Any) -> int:
@@ -281,19 +342,15 @@ class ProcRuntime:
 
     def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
         """A message could not reach ``address``: fail the reply it asked for."""
-        kind = env[0]
-        port = None
-        index = 0
-        if kind == M.CALL:
-            port, index = env[3], env[4]
-        elif kind in (M.SPAWN,):
-            port = env[6]
-        elif kind == M.STOP_ACTOR:
-            port, index = env[2], env[3]
-        elif kind in (M.STOP_PROC, M.SINGLETON):
-            port = env[-1]
+        port, index = _reply_port(env)
         if port is not None and port[0] != address:
             self.reply(port, index, M.SUPERVISION, dumps(reason))
+
+    def _fail_reply(self, env: Envelope, status: int, payload: Sequence[Segment]) -> None:
+        """Answer the reply port an envelope names (if any) with ``status``."""
+        port, index = _reply_port(env)
+        if port is not None:
+            self.reply(port, index, status, payload)
 
     # -- receiving --------------------------------------------------------------------------
     def _on_frame(self, conn: Connection, segments: list[Segment]) -> None:
@@ -315,7 +372,40 @@ class ProcRuntime:
             if isinstance(r, Route):
                 r.publish(conn)  # no-op if we already dialed them ourselves
             return
+        if len(segments) == 2 and type(segments[1]) is LostPayload:
+            self._payload_lost(env, segments[1].error)
+            return
         self._dispatch(env, segments[1:], conn)
+
+    def _payload_lost(self, env: Envelope, error: Any) -> None:
+        """A message arrived without its payload (we ran out of descriptors or
+        memory taking it in): fail that one message, in its turn. Loop thread."""
+        exc = ResourceExhaustedError(f"proc {self.name} (pid {self.pid}) {error}", getattr(error, "resource", ""))
+        lost = [_Lost(exc)]
+        kind = env[0]
+        if kind in _SEQUENCED:
+            self._reorder.push(env[-2], env[-1], env, lost)  # keeps the sender's order: no gap
+        elif kind == M.CAST:
+            _, actor, endpoint, reply, labels, sizes, sender, members = env
+            for index, address, seq in members:
+                if address == self.address:
+                    self._reorder.push(sender, seq, (M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
+                elif reply is not None:
+                    self.reply(reply, index, M.ERROR, _error_payload(exc))
+            if reply is None:
+                log.warning("a broadcast to %s lost its payload: %s", actor, exc)
+        elif kind == M.REPLY:
+            handler = self.ports.get(env[1])
+            if handler is not None:
+                handler.deliver((M.REPLY, env[1], env[2], M.ERROR, env[4]), _error_payload(exc))
+        elif kind == M.REPLY_MULTI:
+            handler = self.ports.get(env[1])
+            if handler is not None:
+                for index, _status, _n in env[2]:
+                    handler.deliver((M.REPLY, env[1], index, M.ERROR, env[3]), _error_payload(exc))
+        else:
+            self._fail_reply(env, M.ERROR, _error_payload(exc))
+            log.warning("a %r message lost its payload: %s", kind, exc)
 
     def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
         kind = env[0]
@@ -358,6 +448,9 @@ class ProcRuntime:
 
     def _release(self, env: Envelope, payload: Sequence[Segment]) -> None:
         """A sequenced message whose turn has come (loop thread)."""
+        if payload and type(payload[0]) is _Lost:
+            self._fail_reply(env, M.ERROR, _error_payload(payload[0].error))
+            return
         if env[0] == M.CALL:
             cell = self.actors.get(env[1])
             if cell is not None:
@@ -409,6 +502,42 @@ class ProcRuntime:
             pass
         self.loop_thread.stop()
         self.shm.close()
+        if self.owns_job_dir:
+            remove_job_dir(self.job_dir)
+
+    def close_listener(self) -> None:
+        """Stop accepting and remove this process's socket file (any thread; bounded)."""
+        try:
+            self.loop_thread.run(_call(self._listener.close), timeout=2)
+        except Exception:
+            self._listener.close()  # the loop is wedged: unlink from here
+
+
+class _Lost:
+    """The payload of a sequenced message that could not be taken in (see _payload_lost)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _error_payload(exc: BaseException) -> Sequence[Segment]:
+    return dumps((PortableException(exc), "".join(traceback.format_exception_only(exc))))
+
+
+def _reply_port(env: Envelope) -> tuple[Any, int]:
+    """(reply port reference or None, reply index) of an envelope."""
+    kind = env[0]
+    if kind == M.CALL:
+        return env[3], env[4]
+    if kind == M.SPAWN:
+        return env[6], 0
+    if kind == M.STOP_ACTOR:
+        return env[2], env[3]
+    if kind in (M.STOP_PROC, M.SINGLETON):
+        return env[-1], 0
+    return None, 0
 
 
 async def _call(fn: Callable[[], None]) -> None:
