@@ -91,7 +91,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     _spawn.kill_all_children(rt)
-    rt.close_listener()  # os._exit skips every cleanup: remove our socket file now
+    rt.release_files()  # os._exit skips every cleanup: remove our socket file now
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -505,12 +505,15 @@ class ProcRuntime:
         if self.owns_job_dir:
             remove_job_dir(self.job_dir)
 
-    def close_listener(self) -> None:
-        """Stop accepting and remove this process's socket file (any thread; bounded)."""
+    def release_files(self) -> None:
+        """Before ``os._exit``: stop accepting, remove this process's socket file and,
+        if this runtime made it, the job directory (any thread; bounded)."""
         try:
             self.loop_thread.run(_call(self._listener.close), timeout=2)
         except Exception:
             self._listener.close()  # the loop is wedged: unlink from here
+        if self.owns_job_dir:
+            remove_job_dir(self.job_dir)
 
 
 class _Lost:
