@@ -147,14 +147,14 @@ def make_actor_error(exc: BaseException, message: str, formatted: str) -> ActorE
 
 
 # Fields that belong to the ActorError, or that the caller's side sets itself.
-_OWN_FIELDS = frozenset({"args", "__dict__", "__weakref__", "__traceback__", "__context__", "__cause__", "__suppress_context__", "__notes__"})
+_OWN_FIELDS = frozenset({"__class__", "args", "__dict__", "__weakref__", "__traceback__", "__context__", "__cause__", "__suppress_context__", "__notes__"})
 
 
 def _copy_builtin_fields(err: BaseException, exc: BaseException) -> None:
     """Mirror the C-level fields of builtin exceptions (``OSError.errno``,
     ``StopIteration.value``, ``SystemExit.code``...), which live outside ``__dict__``."""
     for klass in type(exc).__mro__:
-        if klass.__module__ != "builtins":
+        if klass.__module__ != "builtins" or klass is object or klass is BaseException:
             continue
         for name, descriptor in vars(klass).items():
             if name in _OWN_FIELDS or not isinstance(descriptor, (types.MemberDescriptorType, types.GetSetDescriptorType)):
