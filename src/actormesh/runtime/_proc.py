@@ -321,7 +321,7 @@ class ProcRuntime:
 
     def await_peer(self, address: str, handler: Any) -> None:
         """``handler.peer_lost`` runs if ``address`` dies before ``unawait_peer``."""
-        r = self._routes.get(address)
+        r = self._routes.get(address) or self._dead.get(address)
         if r is not None and r.dead is not None:
             self.loop.call_soon_threadsafe(handler.peer_lost, address, r.dead)
             return
