@@ -13,17 +13,17 @@ import logging
 import os
 import pickle
 import threading
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import Config, get_config
-from ..errors import PortableException, ProtocolError, ResourceExhaustedError, TransportError
+from ..errors import ProtocolError, TransportError
 from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, connect, dumps, listen, new_secret
 from . import _messages as M
 from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
+from ._lost import Lost, error_payload, payload_lost, reply_port
 from ._ordering import Reorder, SeqOut
 from ._routes import LocalRoute, Route
 
@@ -342,13 +342,13 @@ class ProcRuntime:
 
     def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
         """A message could not reach ``address``: fail the reply it asked for."""
-        port, index = _reply_port(env)
+        port, index = reply_port(env)
         if port is not None and port[0] != address:
             self.reply(port, index, M.SUPERVISION, dumps(reason))
 
     def _fail_reply(self, env: Envelope, status: int, payload: Sequence[Segment]) -> None:
         """Answer the reply port an envelope names (if any) with ``status``."""
-        port, index = _reply_port(env)
+        port, index = reply_port(env)
         if port is not None:
             self.reply(port, index, status, payload)
 
@@ -373,39 +373,9 @@ class ProcRuntime:
                 r.publish(conn)  # no-op if we already dialed them ourselves
             return
         if len(segments) == 2 and type(segments[1]) is LostPayload:
-            self._payload_lost(env, segments[1].error)
+            payload_lost(self, env, segments[1].error)
             return
         self._dispatch(env, segments[1:], conn)
-
-    def _payload_lost(self, env: Envelope, error: Any) -> None:
-        """A message arrived without its payload (we ran out of descriptors or
-        memory taking it in): fail that one message, in its turn. Loop thread."""
-        exc = ResourceExhaustedError(f"proc {self.name} (pid {self.pid}) {error}", getattr(error, "resource", ""))
-        lost = [_Lost(exc)]
-        kind = env[0]
-        if kind in _SEQUENCED:
-            self._reorder.push(env[-2], env[-1], env, lost)  # keeps the sender's order: no gap
-        elif kind == M.CAST:
-            _, actor, endpoint, reply, labels, sizes, sender, members = env
-            for index, address, seq in members:
-                if address == self.address:
-                    self._reorder.push(sender, seq, (M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
-                elif reply is not None:
-                    self.reply(reply, index, M.ERROR, _error_payload(exc))
-            if reply is None:
-                log.warning("a broadcast to %s lost its payload: %s", actor, exc)
-        elif kind == M.REPLY:
-            handler = self.ports.get(env[1])
-            if handler is not None:
-                handler.deliver((M.REPLY, env[1], env[2], M.ERROR, env[4]), _error_payload(exc))
-        elif kind == M.REPLY_MULTI:
-            handler = self.ports.get(env[1])
-            if handler is not None:
-                for index, _status, _n in env[2]:
-                    handler.deliver((M.REPLY, env[1], index, M.ERROR, env[3]), _error_payload(exc))
-        else:
-            self._fail_reply(env, M.ERROR, _error_payload(exc))
-            log.warning("a %r message lost its payload: %s", kind, exc)
 
     def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
         kind = env[0]
@@ -448,8 +418,8 @@ class ProcRuntime:
 
     def _release(self, env: Envelope, payload: Sequence[Segment]) -> None:
         """A sequenced message whose turn has come (loop thread)."""
-        if payload and type(payload[0]) is _Lost:
-            self._fail_reply(env, M.ERROR, _error_payload(payload[0].error))
+        if payload and type(payload[0]) is Lost:
+            self._fail_reply(env, M.ERROR, error_payload(payload[0].error))
             return
         if env[0] == M.CALL:
             cell = self.actors.get(env[1])
@@ -514,33 +484,6 @@ class ProcRuntime:
             self._listener.close()  # the loop is wedged: unlink from here
         if self.owns_job_dir:
             remove_job_dir(self.job_dir)
-
-
-class _Lost:
-    """The payload of a sequenced message that could not be taken in (see _payload_lost)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _error_payload(exc: BaseException) -> Sequence[Segment]:
-    return dumps((PortableException(exc), "".join(traceback.format_exception_only(exc))))
-
-
-def _reply_port(env: Envelope) -> tuple[Any, int]:
-    """(reply port reference or None, reply index) of an envelope."""
-    kind = env[0]
-    if kind == M.CALL:
-        return env[3], env[4]
-    if kind == M.SPAWN:
-        return env[6], 0
-    if kind == M.STOP_ACTOR:
-        return env[2], env[3]
-    if kind in (M.STOP_PROC, M.SINGLETON):
-        return env[-1], 0
-    return None, 0
 
 
 async def _call(fn: Callable[[], None]) -> None:
