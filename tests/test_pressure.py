@@ -82,6 +82,24 @@ class Pressure(Actor):
         _shm._map = failing
 
     @endpoint
+    def fail_allocations(self) -> None:
+        """Make the receive buffer of every large inline frame fail to allocate."""
+        from actormesh.transport import _frames
+
+        self.patched_alloc = _frames._alloc
+
+        def failing(nbytes: int) -> bytearray:
+            raise MemoryError()
+
+        _frames._alloc = failing
+
+    @endpoint
+    def restore_allocations(self) -> None:
+        from actormesh.transport import _frames
+
+        _frames._alloc = self.patched_alloc
+
+    @endpoint
     def restore_mappings(self) -> None:
         from actormesh.transport import _shm
 
@@ -121,10 +139,21 @@ class Pressure(Actor):
 
 @pytest.fixture(scope="module")
 def worker() -> Any:
+    import dataclasses
+
+    from actormesh.runtime import current_runtime
     from conftest import module_procs
 
-    for pm in module_procs({"gpus": 1}):
-        yield pm.spawn("pressure", Pressure)
+    # A flood keeps the worker's loop busy on a loaded machine: the spawner's
+    # 3 s silence rule (issue 10, liveness) must not kill it for that here.
+    rt = current_runtime()
+    saved = rt.config
+    rt.config = dataclasses.replace(saved, heartbeat_timeout=max(saved.heartbeat_timeout, 30.0))
+    try:
+        for pm in module_procs({"gpus": 1}):
+            yield pm.spawn("pressure", Pressure)
+    finally:
+        rt.config = saved
 
 
 # -- a remote MemoryError and other builtins with their own __new__ ----------------------------
@@ -200,6 +229,43 @@ def test_a_failed_mapping_fails_the_one_message_not_the_worker(worker, how):
     finally:
         worker.restore_mappings.call_one().get(timeout=T)
     assert worker.take.call_one(bytes(BIG)).get(timeout=T) == BIG
+
+
+def test_a_large_inline_message_without_memory_fails_alone(worker, monkeypatch):
+    from actormesh.runtime import current_runtime
+
+    monkeypatch.setattr(current_runtime().shm, "threshold", 0)  # our big arguments go over the socket
+    pid = worker.ping.call_one().get(timeout=T)
+    worker.fail_allocations.call_one().get(timeout=T)
+    try:
+        failed = worker.take.call_one(bytes(BIG))
+        after = worker.take.call_one(b"small")
+        with pytest.raises(ResourceExhaustedError) as info:
+            failed.get(timeout=T)
+        assert "ran out of memory while receiving a " in str(info.value) and info.value.resource == "memory"
+        assert after.get(timeout=T) == 5
+        assert worker.ping.call_one().get(timeout=T) == pid
+    finally:
+        worker.restore_allocations.call_one().get(timeout=T)
+    assert worker.take.call_one(bytes(BIG)).get(timeout=T) == BIG
+
+
+def test_the_decoder_skips_a_frame_it_has_no_memory_for_and_goes_on(monkeypatch):
+    from actormesh.transport import _frames
+
+    def failing(nbytes: int) -> bytearray:
+        raise MemoryError()
+
+    wire = b"".join(bytes(p) for p in _frames.encode_frame([b"envelope", bytes(300_000)]))
+    wire += b"".join(bytes(p) for p in _frames.encode_frame([b"next", b"x"]))
+    decoder = _frames.FrameDecoder(1 << 30)
+    monkeypatch.setattr(_frames, "_alloc", failing)
+    frames = []
+    for i in range(0, len(wire), 65536):  # as a socket would deliver it
+        frames.extend(decoder.feed(wire[i : i + 65536]))
+    assert [type(f) for f in frames] == [_frames.LostFrame, list]
+    assert frames[0] == [b"envelope"] and isinstance(frames[0].error, MemoryError)
+    assert frames[1] == [b"next", b"x"]
 
 
 # -- floods of connections that never authenticate --------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
-from ._frames import FLAG_SHM, FrameDecoder, Segment, ShmFrame, encode_frame
+from ._frames import FLAG_SHM, FrameDecoder, LostFrame, Segment, ShmFrame, encode_frame
 from ._shm import ShmError, ShmExhausted, ShmPool, peer_pid_uid
 
 __all__ = ["Connection", "LostPayload", "parse_address"]
@@ -45,8 +45,8 @@ class LostPayload:
 
     __slots__ = ("error",)
 
-    def __init__(self, error: ShmExhausted) -> None:
-        self.error = error
+    def __init__(self, error: BaseException) -> None:
+        self.error = error  # ShmExhausted or MemoryError; ``.resource`` names what ran out
 
     def __repr__(self) -> str:
         return f"<LostPayload {self.error}>"
@@ -172,7 +172,10 @@ class Connection(asyncio.BufferedProtocol):
             return
         on_frame = self._on_frame
         for frame in frames:
-            if type(frame) is ShmFrame:
+            if type(frame) is LostFrame:
+                log.warning("dropping the payload of a frame from %s: %s", self.peer_name, frame.error)
+                frame = [frame[0], LostPayload(frame.error)]
+            elif type(frame) is ShmFrame:
                 try:
                     frame = ShmPool.import_frame(frame[0], frame[1:], self._peer_pid)
                 except ShmExhausted as exc:
