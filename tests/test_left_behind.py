@@ -73,6 +73,22 @@ def test_fifty_spawn_stop_cycles_leave_nothing_behind(monkeypatch):
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
+def test_a_sigkilled_procs_socket_file_and_table_entries_go(faults):
+    rt = current_runtime()
+    _cycles(1)
+    before = _snapshot(rt)
+    pm = this_host().spawn_procs(per_host={"gpus": 1})
+    small = pm.spawn("small", Small)
+    pid = small.pid.call_one().get(timeout=T)
+    path = small._addresses[0][len("unix:"):]
+    assert os.path.exists(path)
+    os.kill(pid, signal.SIGKILL)
+    faults.wait(1, timeout=T)  # the owner heard of it
+    wait_for(lambda: _snapshot(rt) == before, timeout=T)
+    assert not os.path.exists(path)  # it could not remove its socket; its spawner did
+    pm.stop().get(timeout=T)
+
+
 def test_a_message_to_a_pruned_dead_proc_fails_fast():
     rt = current_runtime()
     pm = this_host().spawn_procs(per_host={"gpus": 1})
