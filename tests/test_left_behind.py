@@ -217,3 +217,37 @@ def test_a_killed_controllers_directory_and_secret_are_swept_by_the_next_run():
     assert os.path.exists(out["secret"])  # what a SIGKILL leaves...
     _run("plain")
     assert not os.path.exists(out["job_dir"])  # ...the next run removes
+
+
+def test_the_sweep_removes_only_directories_it_can_prove_are_ours_and_dead(tmp_path):
+    from actormesh.runtime import _jobdir
+
+    ns, boot = _jobdir._identity()  # type: ignore[misc]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = os.getppid()
+    started = _jobdir._start_time(alive)
+
+    def make(name: str, owner: str | None, mode: int = 0o700) -> str:
+        path = tmp_path / f"actormesh-{name}"
+        path.mkdir()
+        if owner is not None:
+            (path / "owner").write_text(owner)
+        path.chmod(mode)
+        return str(path)
+
+    stale = [
+        make("dead", f"{dead.pid} 12345 {ns} {boot}\n"),
+        make("pid-reused", f"{alive} 1{started} {ns} {boot}\n"),  # that pid is another process now
+    ]
+    keep = [
+        make("alive", f"{alive} {started} {ns} {boot}\n"),
+        make("other-namespace", f"{dead.pid} 12345 pid:[1] {boot}\n"),
+        make("other-boot", f"{dead.pid} 12345 {ns} another-boot\n"),
+        make("no-owner", None),
+        make("odd-owner", "not a pid\n"),
+        make("open-mode", f"{dead.pid} 12345 {ns} {boot}\n", 0o755),
+    ]
+    assert sorted(_jobdir.sweep_stale_job_dirs(str(tmp_path))) == sorted(stale)
+    assert not any(os.path.exists(p) for p in stale)
+    assert all(os.path.isdir(p) for p in keep)

@@ -5,9 +5,11 @@ files written for host agents (secrets, logs). The runtime that made it
 removes it when it closes. A process that was SIGKILLed cannot, so every new
 directory sweeps away earlier ones whose owner is provably dead: a directory
 is ours only if it carries our prefix, belongs to our uid, is private (0700)
-and holds an ``owner`` file naming a pid *and* that pid's start time; it is
-dead only if no process with that pid and start time exists. Anything that
-cannot be proved both ways is left alone.
+and holds an ``owner`` file naming a pid, that pid's start time, its pid
+namespace and the boot it ran in; it is dead only if, in that same namespace
+and boot, no process with that pid and start time exists. Anything that
+cannot be proved both ways (another container sharing /tmp, an older
+directory without an owner file) is left alone.
 """
 
 from __future__ import annotations
@@ -35,17 +37,28 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def _identity() -> tuple[str, str] | None:
+    """(pid namespace, boot id) of this process: where its pids mean something."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    return ns.replace(" ", "_"), boot
+
+
 def make_job_dir() -> str:
     """A new 0700 job directory marked with this process as its owner."""
     sweep_stale_job_dirs()
     path = tempfile.mkdtemp(prefix=PREFIX)
     os.chmod(path, 0o700)
     me = os.getpid()
-    started = _start_time(me)
-    if started is not None:
+    started, identity = _start_time(me), _identity()
+    if started is not None and identity is not None:
         fd = os.open(os.path.join(path, _OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(fd, f"{me} {started}\n".encode())
+            os.write(fd, f"{me} {started} {identity[0]} {identity[1]}\n".encode())
         finally:
             os.close(fd)
     return path
@@ -62,12 +75,12 @@ def _owner_is_dead(path: str) -> bool:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
             return False
         with open(os.path.join(path, _OWNER)) as f:
-            pid_text, started = f.read().split()
+            pid_text, started, ns, boot = f.read().split()
         pid = int(pid_text)
     except (OSError, ValueError):
         return False  # not provably ours (no or odd owner file): leave it
-    if pid == os.getpid():
-        return False
+    if pid == os.getpid() or (ns, boot) != _identity():
+        return False  # its pids are not ours to check
     return _start_time(pid) != started
 
 
