@@ -57,6 +57,7 @@ def _snapshot(rt: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(180)  # ~20 s on a lightly loaded 2-core machine (0.4 s a cycle); 70 s with 5 helpers sharing it
 def test_fifty_spawn_stop_cycles_leave_nothing_behind(monkeypatch):
     monkeypatch.setattr(proc_module, "MAX_TOMBSTONES", 8)
     rt = current_runtime()
