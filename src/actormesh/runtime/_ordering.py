@@ -45,9 +45,6 @@ class SeqOut:
         with self._lock:
             self._counters.pop(address, None)
 
-    def __len__(self) -> int:
-        return len(self._counters)
-
 
 class _Stream:
     __slots__ = ("expected", "held", "since")
@@ -109,6 +106,3 @@ class Reorder:
     def forget(self, sender: str) -> None:
         """Drop state for a sender that is gone."""
         self._streams.pop(sender, None)
-
-    def __len__(self) -> int:
-        return len(self._streams)

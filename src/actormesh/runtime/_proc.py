@@ -299,8 +299,8 @@ class ProcRuntime:
         return {
             "routes": len(self._routes),
             "tombstones": len(self._dead),
-            "seq_out": len(self.seq_out),
-            "reorder": len(self._reorder),
+            "seq_out": len(self.seq_out._counters),
+            "reorder": len(self._reorder._streams),
             "waiting_on": len(self._waiting_on),
             "early": len(self._early),
             "ports": len(self.ports),
