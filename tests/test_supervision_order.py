@@ -92,7 +92,7 @@ def test_job_kill_is_not_reported_as_a_failure(faults):
         with pytest.raises(SupervisionError):
             in_flight.get(timeout=T)
         rt = current_runtime()
-        wait_for(lambda: all(a in rt._gone for a in addresses), timeout=20)
+        wait_for(lambda: all(a in rt._dead for a in addresses), timeout=20)
         _settle_supervision()
         assert faults.failures == []
         # The meshes on those hosts are stopped, and say so at once.

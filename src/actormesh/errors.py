@@ -13,7 +13,10 @@
     │   └── TransportError         the system failed to move bytes (connection lost,
     │       │                      peer unreachable, timed out connecting).
     │       ├── ProtocolError      the peer broke protocol: malformed or oversized frame.
-    │       └── AuthenticationError  the peer failed the HMAC handshake.
+    │       ├── AuthenticationError  the peer failed the HMAC handshake.
+    │       └── ResourceExhaustedError  a process ran out of descriptors or memory taking
+    │                              in one message: that message failed (it never ran),
+    │                              the process lives. Names the process and the resource.
     └── ConfigError(ValueError)    a setting was unknown or had the wrong type.
 
 Lower layers raise the transport errors; the runtime translates them into
@@ -22,6 +25,7 @@ SupervisionError at the boundary (``raise SupervisionError(...) from exc``).
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "TransportError",
     "ProtocolError",
     "AuthenticationError",
+    "ResourceExhaustedError",
     "ConfigError",
 ]
 
@@ -46,6 +51,16 @@ class ProtocolError(TransportError):
 
 class AuthenticationError(TransportError):
     """The peer did not prove knowledge of the job secret."""
+
+
+class ResourceExhaustedError(TransportError):
+    """A process could not take in one message: it ran out of file descriptors or
+    memory (opening shared memory, mapping, decoding). The message was not run;
+    the process serves on. ``resource`` is ``"file descriptors"`` or ``"memory"``."""
+
+    def __init__(self, message: str, resource: str = "") -> None:
+        super().__init__(message)
+        self.resource = resource
 
 
 class ConfigError(ValueError):
@@ -121,15 +136,59 @@ def make_actor_error(exc: BaseException, message: str, formatted: str) -> ActorE
         except TypeError:  # final classes or incompatible layouts
             mixed = ActorError
         _mixed_classes[cls] = mixed
-    err = mixed.__new__(mixed)
+    err = _instantiate(mixed, exc)
     # Exception attributes of the user's class (errno, args...) mirror the original.
     try:
         err.__dict__.update(getattr(exc, "__dict__", {}))
     except Exception:
         pass
-    ActorError.__init__(err, exc, message, formatted)
+    try:
+        ActorError.__init__(err, exc, message, formatted)
+    except AttributeError:  # the class claims one of our names read-only (ExceptionGroup.message)
+        _mixed_classes[cls] = mixed = ActorError
+        err = ActorError.__new__(ActorError)
+        ActorError.__init__(err, exc, message, formatted)
     err.args = getattr(exc, "args", ())
+    if mixed is not ActorError:
+        _copy_builtin_fields(err, exc)
     return err
+
+
+# Fields that belong to the ActorError, or that the caller's side sets itself.
+_OWN_FIELDS = frozenset({"__class__", "args", "__dict__", "__weakref__", "__traceback__", "__context__", "__cause__", "__suppress_context__", "__notes__"})
+
+
+def _copy_builtin_fields(err: BaseException, exc: BaseException) -> None:
+    """Mirror the C-level fields of builtin exceptions (``OSError.errno``,
+    ``StopIteration.value``, ``SystemExit.code``...), which live outside ``__dict__``."""
+    for klass in type(exc).__mro__:
+        if klass.__module__ != "builtins" or klass is object or klass is BaseException:
+            continue
+        for name, descriptor in vars(klass).items():
+            if name in _OWN_FIELDS or not isinstance(descriptor, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+                continue
+            try:
+                setattr(err, name, getattr(exc, name))
+            except (AttributeError, TypeError):
+                pass
+
+
+def _instantiate(mixed: type, exc: BaseException) -> ActorError:
+    """A bare instance of ``mixed`` (``__init__`` not run).
+
+    Builtins with their own ``__new__`` refuse some callers: ``MemoryError``
+    only lets its C base allocate a subclass (``BaseException.__new__``), and
+    ``ExceptionGroup`` insists on its arguments. Try the mixed class's own
+    allocator first, then the base one, with and without the original args.
+    """
+    args = getattr(exc, "args", ())
+    for new in (mixed.__new__, BaseException.__new__):
+        for new_args in ((), args) if args else ((),):
+            try:
+                return new(mixed, *new_args)  # type: ignore[no-any-return]
+            except TypeError:
+                continue
+    return ActorError.__new__(ActorError)
 
 
 class PortableException:

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     from .runtime._spawn import kill_all_children
 
     kill_all_children(rt)
+    rt.release_files()  # os._exit skips every cleanup: our socket and job directory go now
     sys.stdout.flush()
     os._exit(0)
 

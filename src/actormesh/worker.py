@@ -96,6 +96,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     _spawn.kill_all_children(rt)
+    rt.release_files()  # os._exit skips every cleanup: remove our socket file now
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -119,13 +121,18 @@ class ProcessJob(Job):
     def _kill(self) -> None:
         if self._waiter is not None:
             self._waiter.close()
+        clean = False
         if self._agents is not None:
             stop_agents(self._agents)
+            clean = all(a.popen.returncode in (0, -signal.SIGTERM) for a in self._agents)
         elif self._applied_by and self._applied_by[0] == socket.gethostname():
             terminate_pids([p for p in self._pids if _is_agent(p)])  # loaded elsewhere: the agents it recorded
-        if self._job_dir is not None:  # the secret goes; the agents' logs stay for the runtime to clean up
-            for path in glob.glob(os.path.join(self._job_dir, "secret-*")):
-                os.unlink(path)
+        if self._job_dir is not None:
+            if clean:  # nothing to debug: the logs go with the secret
+                shutil.rmtree(self._job_dir, ignore_errors=True)
+            else:  # the secret goes; the logs of agents that failed stay until the runtime closes
+                for path in glob.glob(os.path.join(self._job_dir, "secret-*")):
+                    os.unlink(path)
         self._agents = None
 
     def _is_active(self) -> bool:

@@ -4,22 +4,27 @@ Started lazily by the first ``RDMABuffer`` of a process. It listens on TCP
 (``ACTORMESH_RDMA_BIND_HOST``, default the job's ``bind_host``, port chosen by
 the kernel) for peers on other hosts, and on an abstract Unix socket (no file
 to clean up; it vanishes with the process) for same-host peers that need the
-shared-memory path or a dropped-buffer notice. One thread per connection:
-copies run with the GIL released (``sendall``/``recv_into``/``memmove``).
-Every connection must pass the job's HMAC handshake before a byte of request
-is read. Same-host ``process_vm`` transfers never reach this server.
+shared-memory path or a dropped-buffer notice. One selector thread accepts
+and authenticates (a bounded number of handshakes at once, oldest shed); each
+authenticated connection then gets a thread whose copies run with the GIL
+released (``sendall``/``recv_into``/``memmove``). Every connection must pass
+the job's HMAC handshake before a byte of request is read. Same-host ``process_vm`` transfers never reach this server.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
 
 from ..config import get_config
+from ..errors import AuthenticationError
+from ..transport import HANDSHAKE_BYTES, Handshake
 from . import _wire as W
 from ._backends import chunk_bytes
 from ._errors import RDMATimeoutError
@@ -31,8 +36,30 @@ log = logging.getLogger("actormesh.rdma")
 __all__ = ["BulkServer", "ensure_server"]
 
 
+#: Connections that may sit in the handshake at once; beyond it the oldest is shed.
+MAX_PENDING_HANDSHAKES = 64
+# After accept() fails for want of descriptors, the listeners rest this long
+# (else a listener that stays readable spins the handshake thread).
+_ACCEPT_PAUSE_S = 0.5
+
+
+class _Pending:
+    """A connection inside the handshake (sans-I/O Handshake, non-blocking socket)."""
+
+    __slots__ = ("sock", "kind", "hs", "got", "deadline")
+
+    def __init__(self, sock: socket.socket, kind: str, hs: Handshake, deadline: float) -> None:
+        self.sock, self.kind, self.hs, self.got, self.deadline = sock, kind, hs, 0, deadline
+
+
 class BulkServer:
-    """Listening sockets plus their accept threads; lives as long as the process."""
+    """Listening sockets, one handshake thread, one thread per authenticated connection.
+
+    Unauthenticated connections cost no thread: one selector thread accepts
+    and runs every handshake, at most ``MAX_PENDING_HANDSHAKES`` at a time
+    (the oldest is shed for a new one), each bounded by ``handshake_timeout``.
+    Only a peer that proved the job secret gets a serving thread.
+    """
 
     def __init__(self, secret: Callable[[], bytes], registry: Registry, bind_host: str) -> None:
         self._secret = secret  # read per connection: a restarted runtime has a new job secret
@@ -48,26 +75,119 @@ class BulkServer:
         self.unix_address = f"\0actormesh-rdma-{os.getpid()}-{os.urandom(8).hex()}"
         self._unix.bind(self.unix_address)
         self._unix.listen(128)
-        for sock, kind in ((self._tcp, "tcp"), (self._unix, "unix")):
-            threading.Thread(target=self._accept_loop, args=(sock, kind), name=f"actormesh-rdma-accept-{kind}", daemon=True).start()
+        self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
+        #: Connections shed to make room, and handshakes that failed or timed out.
+        self.shed = 0
+        self.refused = 0
+        threading.Thread(target=self._handshake_loop, name="actormesh-rdma-accept", daemon=True).start()
 
     def __repr__(self) -> str:
         return f"<BulkServer tcp={self.tcp_address} unix={self.unix_address[1:]!r}>"
 
-    def _accept_loop(self, listener: socket.socket, kind: str) -> None:
+    def _handshake_loop(self) -> None:
+        try:
+            self._run_handshakes()
+        except Exception:  # pragma: no cover - a bug here must at least be visible
+            log.exception("rdma server: the handshake thread failed; no new connections are accepted")
+
+    def _run_handshakes(self) -> None:
+        sel = selectors.DefaultSelector()
+        listeners = {self._tcp: "tcp", self._unix: "unix"}
+        for sock in listeners:
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ)
+        paused_until = 0.0
         while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # listener closed
-            threading.Thread(target=self._serve, args=(conn, kind), name="actormesh-rdma-conn", daemon=True).start()
+            now = time.monotonic()
+            if paused_until and now >= paused_until:
+                paused_until = 0.0
+                for sock in listeners:
+                    sel.register(sock, selectors.EVENT_READ)
+            deadlines = [p.deadline for p in self._pending.values()] + ([paused_until] if paused_until else [])
+            events = sel.select(max(0.0, min(deadlines) - now) if deadlines else None)
+            for key, _ in events:
+                sock = key.fileobj
+                if sock in listeners:
+                    if not self._accept(sel, sock, listeners[sock]):  # type: ignore[index,arg-type]
+                        for lsock in listeners:
+                            sel.unregister(lsock)
+                        paused_until = time.monotonic() + _ACCEPT_PAUSE_S
+                        break
+                else:
+                    self._advance(sel, self._pending.get(sock))  # type: ignore[arg-type,call-overload]
+            now = time.monotonic()
+            for pending in [p for p in self._pending.values() if p.deadline <= now]:
+                log.debug("rdma handshake timed out")
+                self._drop(sel, pending)
+
+    def _accept(self, sel: selectors.BaseSelector, listener: socket.socket, kind: str) -> bool:
+        """Accept one connection; False when out of descriptors (pause accepting)."""
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                log.warning("rdma server: cannot accept a connection: %s", exc)
+                return False
+            return True
+        try:
+            conn.setblocking(False)
+            if kind == "tcp":
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hs = Handshake(self._secret(), dialer=False)
+            conn.send(hs.start())  # a few dozen bytes: an empty socket buffer takes them
+        except Exception as exc:  # one peer (or a runtime without a secret yet) must not stop the server
+            log.debug("rdma connection ended before its handshake: %s", exc)
+            conn.close()
+            return True
+        pending = _Pending(conn, kind, hs, time.monotonic() + get_config().handshake_timeout)
+        self._pending[conn] = pending
+        sel.register(conn, selectors.EVENT_READ)
+        while len(self._pending) > MAX_PENDING_HANDSHAKES:
+            self.shed += 1
+            self._drop(sel, next(iter(self._pending.values())))
+        return True
+
+    def _advance(self, sel: selectors.BaseSelector, p: _Pending | None) -> None:
+        if p is None:
+            return
+        try:
+            data = p.sock.recv(HANDSHAKE_BYTES - p.got)  # never past the handshake
+            if not data:
+                raise W.ConnectionClosed("peer closed the connection during the handshake")
+            p.got += len(data)
+            reply = p.hs.receive(data)
+            if reply:
+                p.sock.send(reply)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, W.ConnectionClosed, AuthenticationError) as exc:
+            log.debug("rdma handshake failed: %s", exc)
+            self.refused += 1
+            self._drop(sel, p)
+            return
+        if p.hs.done:
+            sel.unregister(p.sock)
+            del self._pending[p.sock]
+            p.sock.setblocking(True)
+            threading.Thread(target=self._serve, args=(p.sock, p.kind), name="actormesh-rdma-conn", daemon=True).start()
+
+    def _drop(self, sel: selectors.BaseSelector, p: _Pending) -> None:
+        self._pending.pop(p.sock, None)
+        try:
+            sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        p.sock.close()
+
+    def pending_handshakes(self) -> int:
+        """Connections in the handshake now (at most MAX_PENDING_HANDSHAKES)."""
+        return len(self._pending)
 
     def _serve(self, conn: socket.socket, kind: str) -> None:
         session = _Session(conn, kind, self._registry)
         try:
-            if kind == "tcp":
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            W.handshake(conn, self._secret(), dialer=False, deadline=time.monotonic() + get_config().handshake_timeout)
             session.run()
         except (OSError, W.ConnectionClosed, RDMATimeoutError) as exc:
             log.debug("rdma connection ended: %s", exc)

@@ -42,6 +42,11 @@ class SeqOut:
                 c = self._counters.setdefault(address, itertools.count())
         return next(c)  # atomic in CPython
 
+    def forget(self, address: str) -> None:
+        """Drop the counter of a destination that is gone for good."""
+        with self._lock:
+            self._counters.pop(address, None)
+
 
 class _Stream:
     __slots__ = ("expected", "held", "since", "skipped")

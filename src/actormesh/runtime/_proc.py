@@ -12,16 +12,18 @@ import itertools
 import logging
 import os
 import pickle
-import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import Config, get_config
 from ..errors import AuthenticationError, ProtocolError, TransportError
-from ..transport import Connection, JobTLS, Listener, Segment, ShmPool, connect, dumps, listen, new_secret
+from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, connect, dumps, listen, new_secret
 from . import _messages as M
+from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
+from ._lost import Lost, error_payload, payload_lost, reply_port
 from ._ordering import Reorder, SeqOut
 from ._routes import LocalRoute, Route
 
@@ -31,7 +33,8 @@ __all__ = ["ProcRuntime"]
 
 Envelope = tuple[Any, ...]
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
-_job_dirs: list[str] = []
+#: Dead peers remembered so that late sends to them fail at once (oldest forgotten first).
+MAX_TOMBSTONES = 1024
 
 
 class ProcRuntime:
@@ -62,10 +65,10 @@ class ProcRuntime:
         self.name = name
         self.pid = os.getpid()
         self.transport = transport or self.config.default_transport
+        #: Whether this runtime made its job directory (then it removes it on close).
+        self.owns_job_dir = job_dir is None
         if job_dir is None:
-            job_dir = tempfile.mkdtemp(prefix="actormesh-")
-            os.chmod(job_dir, 0o700)
-            _job_dirs.append(job_dir)
+            job_dir = make_job_dir()
         self.job_dir = job_dir
         self.tls = tls
         if tls is None and self.config.tls and self.transport == "tcp":
@@ -83,8 +86,9 @@ class ProcRuntime:
         self._waiting_on: dict[str, set[Any]] = {}
         self._early: dict[str, list[tuple[Envelope, Sequence[Segment]]]] = {}
         self.seq_out = SeqOut()
-        self._gone: set[str] = set()
         self._expected_gone: set[str] = set()
+        #: Routes of peers that are gone, most recent last (bounded: MAX_TOMBSTONES).
+        self._dead: OrderedDict[str, Route] = OrderedDict()
         self._reorder = Reorder(self._release, lambda delay, fn: self.loop.call_later(delay, fn), min(5.0, self.config.message_delivery_timeout))
         self.closed = False
         #: Hooks installed by the cell/spawn modules (keeps this module free of them).
@@ -140,16 +144,22 @@ class ProcRuntime:
         r = self._routes.get(address)
         if r is None:
             with self._routes_lock:
-                r = self._routes.get(address)
+                r = self._routes.get(address) or self._dead.get(address)
                 if r is None:
                     r = Route(self, address)
                     self._routes[address] = r
         return r
 
+    def peer_dead(self, address: str) -> str | None:
+        """Why ``address`` is gone for good, or None while it may be reached."""
+        r = self._routes.get(address) or self._dead.get(address)
+        return r.dead if r is not None else None
+
     def expect_child(self, address: str) -> Route:
         """Register a child proc's address: it dials us, we never dial it."""
         with self._routes_lock:
             r = Route(self, address, child=True)
+            self._dead.pop(address, None)  # a TCP port can come back with a new proc
             self._routes[address] = r
         return r
 
@@ -159,11 +169,11 @@ class ProcRuntime:
         Actor-directed messages (CALL, STOP_ACTOR) get ``(sender, seq)`` appended:
         the destination releases them in that order whatever path they took.
         """
-        if env[0] in _SEQUENCED:
-            env = (*env, self.address, self.seq_out.next(address))
         r = self._routes.get(address)
         if r is None:
             r = self.route(address)
+        if env[0] in _SEQUENCED and r.dead is None:  # a dead peer gets no counter back
+            env = (*env, self.address, self.seq_out.next(address))
         r.send(env, payload)
 
     def messages_sent(self) -> int:
@@ -243,13 +253,18 @@ class ProcRuntime:
         the hooks run before any caller's future fails for this cause, so an
         owner (or ``unhandled_fault_hook``) is never told later than a caller.
         """
-        r = self._routes.get(address)
-        pending = r.fail(reason) if isinstance(r, Route) else []  # marks the route dead first
+        r = self._routes.get(address) or self._dead.get(address)
+        if isinstance(r, LocalRoute):
+            return  # this very process
+        if r is None:
+            r = Route(self, address)
+        pending = r.fail(reason)  # marks the route dead first
         if address in self._expected_gone:
             self._expected_gone.discard(address)
             expected = True
-        if address not in self._gone:  # else supervision already heard (e.g. bootstrap failure, then exit)
-            self._gone.add(address)
+        first = address not in self._dead  # else supervision already heard (e.g. bootstrap failure, then exit)
+        if first:
+            self._dead[address] = r
             for hook in [] if expected else list(self.on_peer_lost):
                 try:
                     hook(address, reason)
@@ -259,11 +274,59 @@ class ProcRuntime:
             self.undeliverable(env, address, reason)
         for handler in list(self._waiting_on.pop(address, ())):
             handler.peer_lost(address, reason)
+        if first:
+            self._forget(address, r)
 
     def expect_gone(self, address: str) -> None:
         """The peer at ``address`` is being torn down on purpose (a job kill, a host
         mesh stop): its loss is not a failure and reaches no supervision hook."""
         self._expected_gone.add(address)
+
+    def _forget(self, address: str, route: Route) -> None:
+        """Prune what this process kept about a peer that is gone (loop thread).
+
+        Its route stays as a tombstone (bounded) so that late sends fail fast;
+        everything else keyed by it goes, so the tables do not grow with every
+        proc ever spawned.
+        """
+        with self._routes_lock:
+            if self._routes.get(address) is route:
+                del self._routes[address]
+            while len(self._dead) > MAX_TOMBSTONES:
+                self._dead.popitem(last=False)
+        self.seq_out.forget(address)
+        self._reorder.forget(address)
+        self._waiting_on.pop(address, None)
+        owned = getattr(self, "owned_meshes", None)
+        if owned:
+            for name, record in list(owned.items()):
+                if address in record.addresses and not any(self._live(a) for a in record.addresses):
+                    del owned[name]  # every member's proc is gone: it can fail no more
+        if route.child and address.startswith("unix:"):
+            path = address[5:]
+            if os.path.dirname(path) == self.job_dir:  # a socket we named; its proc may have been killed
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    def _live(self, address: str) -> bool:
+        r = self._routes.get(address)
+        return r is not None and r.dead is None
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in this process's per-peer tables (diagnostics; tests check nothing leaks)."""
+        return {
+            "routes": len(self._routes),
+            "tombstones": len(self._dead),
+            "seq_out": len(self.seq_out._counters),
+            "reorder": len(self._reorder._streams),
+            "waiting_on": len(self._waiting_on),
+            "early": len(self._early),
+            "ports": len(self.ports),
+            "children": len(getattr(self, "children", {})),
+            "owned_meshes": len(getattr(self, "owned_meshes", {})),
+        }
 
     # -- reply ports ------------------------------------------------------------------------
     def register_port(self, handler: Any) -> int:
@@ -278,7 +341,7 @@ class ProcRuntime:
 
     def await_peer(self, address: str, handler: Any) -> None:
         """``handler.peer_lost`` runs if ``address`` dies before ``unawait_peer``."""
-        r = self._routes.get(address)
+        r = self._routes.get(address) or self._dead.get(address)
         if r is not None and r.dead is not None:
             self.loop.call_soon_threadsafe(handler.peer_lost, address, r.dead)
             return
@@ -299,19 +362,15 @@ class ProcRuntime:
 
     def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
         """A message could not reach ``address``: fail the reply it asked for."""
-        kind = env[0]
-        port = None
-        index = 0
-        if kind == M.CALL:
-            port, index = env[3], env[4]
-        elif kind in (M.SPAWN,):
-            port = env[6]
-        elif kind == M.STOP_ACTOR:
-            port, index = env[2], env[3]
-        elif kind in (M.STOP_PROC, M.SINGLETON):
-            port = env[-1]
+        port, index = reply_port(env)
         if port is not None and port[0] != address:
             self.reply(port, index, M.SUPERVISION, dumps(reason))
+
+    def _fail_reply(self, env: Envelope, status: int, payload: Sequence[Segment]) -> None:
+        """Answer the reply port an envelope names (if any) with ``status``."""
+        port, index = reply_port(env)
+        if port is not None:
+            self.reply(port, index, status, payload)
 
     # -- receiving --------------------------------------------------------------------------
     def _on_frame(self, conn: Connection, segments: list[Segment]) -> None:
@@ -332,6 +391,9 @@ class ProcRuntime:
             r = self.route(env[1])
             if isinstance(r, Route):
                 r.publish(conn)  # no-op if we already dialed them ourselves
+            return
+        if len(segments) == 2 and type(segments[1]) is LostPayload:
+            payload_lost(self, env, segments[1].error)
             return
         self._dispatch(env, segments[1:], conn)
 
@@ -376,6 +438,9 @@ class ProcRuntime:
 
     def _release(self, env: Envelope, payload: Sequence[Segment]) -> None:
         """A sequenced message whose turn has come (loop thread)."""
+        if payload and type(payload[0]) is Lost:
+            self._fail_reply(env, M.ERROR, error_payload(payload[0].error))
+            return
         if env[0] == M.CALL:
             cell = self.actors.get(env[1])
             if cell is not None:
@@ -436,6 +501,18 @@ class ProcRuntime:
                 log.exception("failing a port at shutdown failed")
         self.ports.clear()
         self.shm.close()
+        if self.owns_job_dir:
+            remove_job_dir(self.job_dir)
+
+    def release_files(self) -> None:
+        """Before ``os._exit``: stop accepting, remove this process's socket file and,
+        if this runtime made it, the job directory (any thread; bounded)."""
+        try:
+            self.loop_thread.run(_call(self._listener.close), timeout=2)
+        except Exception:
+            self._listener.close()  # the loop is wedged: unlink from here
+        if self.owns_job_dir:
+            remove_job_dir(self.job_dir)
 
 
 async def _call(fn: Callable[[], None]) -> None:

@@ -2,7 +2,7 @@
 
 from ._auth import HANDSHAKE_BYTES, Handshake, new_secret
 from ._codec import SerializationError, dumps, loads
-from ._connection import Connection, parse_address
+from ._connection import Connection, LostPayload, parse_address
 from ._sockets import Listener, connect, listen
 from ._frames import FrameDecoder, Segment, encode_frame
 from ._shm import ShmError, ShmPool
@@ -16,6 +16,7 @@ __all__ = [
     "dumps",
     "loads",
     "Connection",
+    "LostPayload",
     "Listener",
     "connect",
     "listen",

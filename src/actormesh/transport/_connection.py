@@ -24,15 +24,32 @@ from typing import Any
 
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
-from ._frames import FLAG_SHM, FrameDecoder, Segment, ShmFrame, encode_frame
-from ._shm import ShmError, ShmPool, peer_pid_uid
+from ._frames import FLAG_SHM, FrameDecoder, LostFrame, Segment, ShmFrame, encode_frame
+from ._shm import ShmError, ShmExhausted, ShmPool, peer_pid_uid
 
-__all__ = ["Connection", "parse_address"]
+__all__ = ["Connection", "LostPayload", "parse_address"]
 
 log = logging.getLogger("actormesh.transport")
 
 FrameHandler = Callable[["Connection", list[Segment]], None]
 CloseHandler = Callable[["Connection", "BaseException | None"], None]
+
+
+class LostPayload:
+    """Stands in for a frame's payload that this process could not take in.
+
+    A frame handler gets ``[envelope, LostPayload]``: the envelope arrived, the
+    payload did not (``error`` says why: out of descriptors or memory). The
+    connection and the process live on; the layer above fails that one message.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error  # ShmExhausted or MemoryError; ``.resource`` names what ran out
+
+    def __repr__(self) -> str:
+        return f"<LostPayload {self.error}>"
 
 
 def parse_address(address: str) -> tuple[str, Any]:
@@ -161,9 +178,15 @@ class Connection(asyncio.BufferedProtocol):
             return
         on_frame = self._on_frame
         for frame in frames:
-            if type(frame) is ShmFrame:
+            if type(frame) is LostFrame:
+                log.warning("dropping the payload of a frame from %s: %s", self.peer_name, frame.error)
+                frame = [frame[0], LostPayload(frame.error)]
+            elif type(frame) is ShmFrame:
                 try:
                     frame = ShmPool.import_frame(frame[0], frame[1:], self._peer_pid)
+                except ShmExhausted as exc:
+                    log.warning("dropping the payload of a frame from %s: %s", self.peer_name, exc)
+                    frame = [frame[1], LostPayload(exc)]
                 except ShmError as exc:
                     log.warning("closing connection from %s: %s", self.peer_name, exc)
                     self._abort(exc)

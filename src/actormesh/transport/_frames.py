@@ -22,6 +22,12 @@ are memoryviews over that private buffer (writable, so numpy/torch can wrap them
 
 Any violation raises :class:`ProtocolError`; the decoder is then unusable, and the
 caller closes the connection.
+
+Running out of memory is not a violation: when the private buffer of a large
+frame cannot be allocated, the decoder keeps the envelope (segment 0, already
+received), discards the rest of the frame's bytes as they come and then yields
+a :class:`LostFrame` holding just the envelope, so the layer above can fail
+that one message while the stream goes on.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Union
 
 from ..errors import ProtocolError
 
-__all__ = ["FrameDecoder", "encode_frame", "Segment", "PREFIX_BYTES", "FLAG_SHM", "ShmFrame"]
+__all__ = ["FrameDecoder", "encode_frame", "Segment", "PREFIX_BYTES", "FLAG_SHM", "ShmFrame", "LostFrame"]
 
 Segment = Union[bytes, bytearray, memoryview]
 
@@ -51,6 +57,21 @@ class ShmFrame(list):  # type: ignore[type-arg]
     """A decoded frame flagged ``FLAG_SHM``: segment 0 is the manifest."""
 
     __slots__ = ()
+
+
+class LostFrame(list):  # type: ignore[type-arg]
+    """A frame whose data could not be received (no memory): ``[envelope]`` and ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, segments: list[Segment], error: BaseException) -> None:
+        super().__init__(segments)
+        self.error = error
+
+
+def _alloc(nbytes: int) -> bytearray:
+    """The private receive buffer of a large frame (a seam for memory-pressure tests)."""
+    return bytearray(nbytes)
 
 
 def encode_frame(segments: Sequence[Segment], flags: int = 0) -> list[Segment]:
@@ -93,12 +114,17 @@ class FrameDecoder:
         self._big_filled = 0
         self._big_lens: tuple[int, ...] = ()
         self._big_flags = 0
+        # A large frame being discarded (its buffer could not be allocated).
+        self._skip = 0
+        self._lost: LostFrame | None = None
         self._broken = False
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Writable memory for the next bytes from the stream (never empty)."""
         if self._big_view is not None:
             return self._big_view[self._big_filled :]
+        if self._skip:
+            return self._view[: min(len(self._buf), self._skip)]
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._buf) - self._end < _BIG_BYTES:
@@ -118,6 +144,13 @@ class FrameDecoder:
                 return []
             frame = self._split_big()
             return [frame]
+        if self._skip:
+            self._skip -= nbytes
+            if self._skip:
+                return []
+            lost, self._lost = self._lost, None
+            assert lost is not None
+            return [lost]
         self._end += nbytes
         try:
             return self._parse()
@@ -188,7 +221,13 @@ class FrameDecoder:
             if data_len >= _BIG_BYTES:
                 # Receive the rest of this frame straight into its own buffer.
                 have = self._end - data_start
-                big = bytearray(data_len)
+                try:
+                    big = _alloc(data_len)
+                except MemoryError:
+                    if flags or not lens or lens[0] > have:
+                        raise  # nothing to tell the sender with: the connection goes
+                    self._discard(bytes(view[data_start : data_start + lens[0]]), data_len, have)
+                    break
                 big[:have] = view[data_start : self._end]
                 self._big, self._big_view = big, memoryview(big)
                 self._big_filled, self._big_lens, self._big_flags = have, lens, flags
@@ -197,3 +236,12 @@ class FrameDecoder:
         if self._start == self._end:
             self._start = self._end = 0
         return frames
+
+    def _discard(self, envelope: bytes, data_len: int, have: int) -> None:
+        """Drop the rest of a frame we have no memory for; keep its envelope."""
+        error = MemoryError(f"ran out of memory while receiving a {data_len}-byte message: "
+                            "free memory in this process or send smaller arguments")
+        error.resource = "memory"  # type: ignore[attr-defined]
+        self._lost = LostFrame([envelope], error)
+        self._skip = data_len - have
+        self._start = self._end = 0

@@ -27,6 +27,7 @@ Snapshot semantics are those of the socket path: the bytes are copied before
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import itertools
 import logging
@@ -40,7 +41,7 @@ from typing import Any
 
 from ..errors import ProtocolError
 
-__all__ = ["ShmPool", "ShmError", "buffer_address", "peer_pid_uid"]
+__all__ = ["ShmPool", "ShmError", "ShmExhausted", "buffer_address", "peer_pid_uid"]
 
 log = logging.getLogger("actormesh.transport")
 
@@ -67,6 +68,42 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 class ShmError(ProtocolError):
     """A shared-memory segment named in a frame could not be mapped."""
+
+
+class ShmExhausted(ShmError):
+    """This process ran out of a resource (descriptors, memory) mapping a segment.
+
+    Not the peer's fault and not the connection's: only the frame is lost.
+    ``resource`` is ``"file descriptors"`` or ``"memory"``.
+    """
+
+    def __init__(self, message: str, resource: str) -> None:
+        super().__init__(message)
+        self.resource = resource
+
+
+_EXHAUSTED = {errno.EMFILE: "file descriptors", errno.ENFILE: "file descriptors", errno.ENOMEM: "memory"}
+
+
+def _exhausted(exc: BaseException, what: str) -> ShmExhausted | None:
+    """The ShmExhausted that ``exc`` amounts to, or None if it is another failure."""
+    if isinstance(exc, MemoryError):
+        resource = "memory"
+    else:
+        resource = _EXHAUSTED.get(getattr(exc, "errno", None) or 0, "")
+        if not resource:
+            return None
+    if resource == "file descriptors":
+        import resource as _resource
+
+        soft = _resource.getrlimit(_resource.RLIMIT_NOFILE)[0]
+        limit = f" (RLIMIT_NOFILE={soft})" if exc.errno == errno.EMFILE else " (the system-wide table is full)"  # type: ignore[union-attr]
+        advice = "raise the limit (ulimit -n) or close descriptors in this process"
+    else:
+        limit, advice = "", "free memory in this process or send smaller arguments"
+    return ShmExhausted(
+        f"ran out of {resource}{limit} while {what}: {exc}; {advice}, or set ACTORMESH_SHM_THRESHOLD_BYTES=0 "
+        "to send large payloads over the socket instead", resource)
 
 
 def _map(fd: int, length: int, offset: int, flags: int) -> int:
@@ -359,7 +396,11 @@ class ShmPool:
                 raise ShmError(f"shared-memory manifest entry is inconsistent ({n} bytes in {capacity})")
             try:
                 out[index] = _open_segment(peer_pid, fd, capacity, n, token)
-            except OSError as exc:
+            except (OSError, MemoryError) as exc:
+                what = f"mapping a {n}-byte shared-memory segment from pid {peer_pid}"
+                exhausted = _exhausted(exc, what)
+                if exhausted is not None:
+                    raise exhausted from None
                 raise ShmError(f"cannot map a {n}-byte shared-memory segment from pid {peer_pid}: {exc}") from None
         return out
 
@@ -369,6 +410,8 @@ def _open_segment(pid: int, fd: int, capacity: int, n: int, token: int) -> memor
     try:
         f = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
+        if exc.errno in _EXHAUSTED:
+            raise  # our own shortage, not the segment's: the caller says so
         raise ShmError(f"cannot open the sender's shared-memory segment {path}: {exc.strerror}; "
                        "set ACTORMESH_SHM_THRESHOLD_BYTES=0 (or configure(shm_threshold_bytes=0)) to send "
                        "large payloads over the socket instead") from None

@@ -26,10 +26,12 @@ __all__ = ["Listener", "connect", "listen"]
 class Listener:
     """A listening socket; ``address`` is what peers dial."""
 
-    def __init__(self, server: asyncio.AbstractServer, address: str, path: str | None) -> None:
+    def __init__(self, server: asyncio.AbstractServer, address: str, path: str | None, gate: _HandshakeGate) -> None:
         self._server = server
         self.address = address
         self._path = path
+        #: The connections still in their handshake (bounded).
+        self.gate = gate
 
     def close(self) -> None:
         """Stop accepting (existing connections stay) and remove a Unix socket file."""
@@ -39,6 +41,43 @@ class Listener:
                 os.unlink(self._path)
             except OSError:
                 pass
+
+
+#: Connections a listener lets sit in the handshake at once; beyond it the oldest is shed.
+MAX_UNAUTHENTICATED = 128
+
+
+class _HandshakeGate:
+    """Bounds the unauthenticated connections of one listener, shedding the oldest.
+
+    A flood of connections that never authenticate would otherwise hold one
+    descriptor each until their handshake deadline, and a full descriptor table
+    breaks everything else the process does (opening shared memory, files).
+    A real peer that gets shed retries (``connect`` backs off until its deadline).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._pending: dict[Connection, None] = {}  # insertion order: oldest first
+        #: Connections closed to make room (for diagnostics and tests).
+        self.shed = 0
+
+    def admit(self, conn: Connection) -> None:
+        """Track ``conn`` until its handshake ends; shed the oldest beyond the limit."""
+        if conn.ready.done() or conn.closed:
+            return
+        self._pending[conn] = None
+        conn.ready.add_done_callback(lambda _f: self._pending.pop(conn, None))
+        excess = len(self._pending) - self._limit
+        for old in list(self._pending)[:max(0, excess)]:
+            if old._transport is None:
+                continue  # not connected yet (e.g. inside TLS): its own deadline bounds it
+            del self._pending[old]
+            self.shed += 1
+            old._abort(AuthenticationError("shed: too many connections waiting to authenticate"))
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 def _factory(secret: bytes, dialer: bool, loop: asyncio.AbstractEventLoop, opts: dict[str, Any]) -> Callable[[], Connection]:
@@ -59,26 +98,32 @@ async def listen(
     handshake_timeout_s: float,
     ssl_context: ssl.SSLContext | None = None,
     shm: ShmPool | None = None,
+    max_unauthenticated: int = MAX_UNAUTHENTICATED,
 ) -> Listener:
     """Listen on ``unix:/path`` or ``tcp:host:port`` (port 0 picks a free one).
 
     ``on_connection`` runs once a peer has authenticated. With ``shm``, large
-    segments to same-host peers travel through that pool's shared memory.
+    segments to same-host peers travel through that pool's shared memory. At
+    most ``max_unauthenticated`` connections wait in the handshake at once:
+    the oldest is closed to admit a new one.
     """
     loop = asyncio.get_running_loop()
     scheme, target = parse_address(address)
     opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm)
     inner = _factory(secret, False, loop, opts)
 
+    gate = _HandshakeGate(max_unauthenticated)
+
     def make() -> Connection:
         conn = inner()
         conn.ready.add_done_callback(lambda f: None if f.exception() else on_connection(conn))
+        loop.call_soon(gate.admit, conn)  # once connection_made has given it a transport
         return conn
 
     if scheme == "unix":
         server = await loop.create_unix_server(make, target)
         os.chmod(target, 0o600)  # only our own user may even attempt a handshake
-        return Listener(server, address, target)
+        return Listener(server, address, target, gate)
     host, port = target
     server = await loop.create_server(make, host, port, reuse_address=True, ssl=ssl_context, ssl_handshake_timeout=handshake_timeout_s if ssl_context else None)
     sock = server.sockets[0]
@@ -86,7 +131,7 @@ async def listen(
     if bound_host in ("0.0.0.0", "::"):
         bound_host = socket.gethostname()  # a wildcard cannot be dialed: advertise our name
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    return Listener(server, f"tcp:{shown}:{bound_port}", None)
+    return Listener(server, f"tcp:{shown}:{bound_port}", None, gate)
 
 
 def _set_nodelay(conn: Connection) -> None:

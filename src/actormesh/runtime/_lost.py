@@ -1,0 +1,88 @@
+"""Messages whose payload this process could not take in (out of descriptors or memory).
+
+The transport hands such a frame up as ``[envelope, LostPayload]``: the
+envelope says who waits for an answer. That one message fails with
+``ResourceExhaustedError`` naming this process and the resource; the
+connection and the process serve on. Sequenced messages still pass through
+the reorder buffer in their turn, so the sender's later messages are not held
+behind a gap.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PortableException, ResourceExhaustedError
+from ..transport import Segment, dumps
+from . import _messages as M
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
+
+log = logging.getLogger("actormesh.runtime")
+
+__all__ = ["Lost", "payload_lost", "error_payload", "reply_port"]
+
+Envelope = tuple[Any, ...]
+_SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
+
+
+class Lost:
+    """The payload of a sequenced message that could not be taken in (see payload_lost)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def error_payload(exc: BaseException) -> Sequence[Segment]:
+    return dumps((PortableException(exc), "".join(traceback.format_exception_only(exc))))
+
+
+def reply_port(env: Envelope) -> tuple[Any, int]:
+    """(reply port reference or None, reply index) of an envelope."""
+    kind = env[0]
+    if kind == M.CALL:
+        return env[3], env[4]
+    if kind == M.SPAWN:
+        return env[6], 0
+    if kind == M.STOP_ACTOR:
+        return env[2], env[3]
+    if kind in (M.STOP_PROC, M.SINGLETON):
+        return env[-1], 0
+    return None, 0
+
+
+def payload_lost(rt: ProcRuntime, env: Envelope, error: Any) -> None:
+    """A message arrived without its payload (we ran out of descriptors or
+    memory taking it in): fail that one message, in its turn. Loop thread."""
+    exc = ResourceExhaustedError(f"proc {rt.name} (pid {rt.pid}) {error}", getattr(error, "resource", ""))
+    lost = [Lost(exc)]
+    kind = env[0]
+    if kind in _SEQUENCED:
+        rt._reorder.push(env[-2], env[-1], env, lost)  # keeps the sender's order: no gap
+    elif kind == M.CAST:
+        _, actor, endpoint, reply, labels, sizes, sender, members = env
+        for index, address, seq in members:
+            if address == rt.address:
+                rt._reorder.push(sender, seq, (M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
+            elif reply is not None:
+                rt.reply(reply, index, M.ERROR, error_payload(exc))
+        if reply is None:
+            log.warning("a broadcast to %s lost its payload: %s", actor, exc)
+    elif kind == M.REPLY:
+        handler = rt.ports.get(env[1])
+        if handler is not None:
+            handler.deliver((M.REPLY, env[1], env[2], M.ERROR, env[4]), error_payload(exc))
+    elif kind == M.REPLY_MULTI:
+        handler = rt.ports.get(env[1])
+        if handler is not None:
+            for index, _status, _n in env[2]:
+                handler.deliver((M.REPLY, env[1], index, M.ERROR, env[3]), error_payload(exc))
+    else:
+        rt._fail_reply(env, M.ERROR, error_payload(exc))
+        log.warning("a %r message lost its payload: %s", kind, exc)
