@@ -13,7 +13,7 @@ Example::
     job.kill()
 """
 
-from ._attach import attach_to_workers, run_worker_loop_forever
+from ._attach import attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
 from ._errors import JobError
 from ._job import Job, JobState, job_load, job_loads
 from ._kubernetes import KubernetesJob
@@ -37,4 +37,6 @@ __all__ = [
     "job_loads",
     "attach_to_workers",
     "run_worker_loop_forever",
+    "run_worker_loop_until_shutdown",
+    "start_worker_loop_forever",
 ]
