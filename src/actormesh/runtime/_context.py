@@ -22,9 +22,15 @@ _client_context: Context | None = None
 _lock = threading.Lock()
 
 
-def _install(rt: ProcRuntime) -> None:
-    from . import _cell, _hooks, _supervision
+def _client_display() -> str | None:
+    ctx = _client_context
+    return None if ctx is None else repr(ctx.actor_instance)
 
+
+def _install(rt: ProcRuntime) -> None:
+    from . import _cell, _hooks, _log_prefix, _supervision
+
+    _log_prefix.install(_client_display)
     _cell.install(rt)
     _supervision.install(rt)
     _hooks.on_runtime(rt)

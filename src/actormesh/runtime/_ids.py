@@ -1,5 +1,5 @@
-"""Identity types Monarch exports from ``monarch.actor``: ``Uid``, ``ProcId`` and
-the ``ChannelTransport`` enum.
+"""Identity types Monarch exports from ``monarch.actor``: ``Uid`` and ``ProcId``
+(``ChannelTransport`` is defined with the config names, in ``_monarch_config``).
 
 A :class:`Uid` is either a *singleton* (just a label, e.g. ``service``) or an
 *instance*: a 64-bit value with an optional label, written ``label<value>`` or
@@ -11,10 +11,11 @@ and both types pickle by their string.
 
 from __future__ import annotations
 
-import enum
 import re
 import secrets
 from typing import Any
+
+from .._monarch_config import ChannelTransport
 
 __all__ = ["ChannelTransport", "Uid", "ProcId"]
 
@@ -22,27 +23,6 @@ _ALPHABET = "123456789abcdefghijkmnopqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ"
 _DIGIT = {c: i for i, c in enumerate(_ALPHABET)}
 _LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _MAX = (1 << 64) - 1
-
-
-class ChannelTransport(enum.Enum):
-    """Monarch's channel transports; :func:`enable_transport` accepts these.
-
-    actormesh runs ``Unix`` (one host) and ``TcpWithHostname`` /
-    ``TcpWithLocalhost`` (tcp), and ``Tls`` (tcp with mutual TLS on the job's
-    own CA). The others are Meta-internal or in-process only and are refused by
-    ``enable_transport`` with the reason.
-    """
-
-    TcpWithLocalhost = "tcp(localhost)"
-    TcpWithHostname = "tcp(hostname)"
-    MetaTlsWithHostname = "metatls(hostname)"
-    MetaTlsWithIpV6 = "metatls(ipv6)"
-    MetaQuicWithHostname = "metaquic(hostname)"
-    MetaQuicWithIpV6 = "metaquic(ipv6)"
-    Quic = "quic"
-    Tls = "tls"
-    Local = "local"
-    Unix = "unix"
 
 
 def _encode(value: int) -> str:
