@@ -4,6 +4,7 @@ hosts_from_config."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import textwrap
@@ -219,3 +220,57 @@ def test_hosts_from_config_without_a_job_starts_two_local_hosts(tmp_path: Path, 
     with pytest.raises(ValueError, match="mesh name"):
         hosts_from_config("not a name")
     assert this_host() is not None
+
+
+# -- shell / `actormesh shell` -----------------------------------------------------------------
+
+_SHELL = """
+import sys
+from actormesh.actor import HostMesh
+from actormesh.job import shell
+print("status", shell(HostMesh(), env={"GREETING": "hi-there"}, workdir=sys.argv[1]), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_shell_runs_a_remote_interactive_shell_and_returns_its_status(tmp_path: Path) -> None:
+    import subprocess
+
+    script = tmp_path / "sh.py"
+    script.write_text(_SHELL)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], input="echo $GREETING; pwd\nexit 3\n",
+                         capture_output=True, text=True, timeout=90, env={**os.environ, "SHELL": "/bin/sh"})
+    assert out.returncode == 0, out.stderr
+    lines = [re.sub(r"^[#$] ", "", line.strip()) for line in out.stdout.replace("\r", "").splitlines()]  # "# "/"$ ": sh's prompt
+    assert "hi-there" in lines and str(tmp_path) in lines
+    assert lines[-1] == "status 3"
+
+
+def test_shell_checks_its_arguments() -> None:
+    from actormesh.job import ProcessJob, shell
+
+    with pytest.raises(TypeError, match="HostMesh with one host"):
+        shell("host")  # type: ignore[arg-type]
+    two = HostMesh(agents=["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"])
+    with pytest.raises(ValueError, match="needs a single host"):
+        shell(two)
+    assert ProcessJob  # the CLI below uses jobs
+
+
+@pytest.mark.timeout(120)
+def test_actormesh_shell_console_entry_uses_the_current_job(project: Path) -> None:
+    import subprocess
+
+    set_current_job("myjobs.trainers")
+    code = "import sys; from actormesh.job._cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "SHELL": "/bin/sh", "PYTHONPATH": os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code, "shell", "--mesh", "evals"], input="exit 5\n", capture_output=True, text=True,
+                         timeout=90, cwd=project, env=env)
+    assert out.returncode == 5, out.stderr
+    bad = subprocess.run([sys.executable, "-c", code, "shell", "--mesh", "nope"], capture_output=True, text=True, timeout=90,
+                         cwd=project, env=env)
+    assert bad.returncode == 2 and "has no mesh 'nope'" in bad.stderr
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["actormesh"] == "actormesh.job._cli:main"

@@ -21,6 +21,7 @@ from ._job import Job, JobState, job_load, job_loads
 from ._kubernetes import KubernetesJob
 from ._local import LocalJob, ProcessJob
 from ._port_forward import PortForwarder
+from ._shell import shell
 from ._slurm import SlurmJob
 from ._ssh import SSHJob
 
@@ -44,6 +45,7 @@ __all__ = [
     "hosts_from_config",
     "exec_command",
     "PortForwarder",
+    "shell",
     "attach_to_workers",
     "run_worker_loop_forever",
     "run_worker_loop_until_shutdown",

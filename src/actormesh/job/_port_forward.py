@@ -94,12 +94,15 @@ class _Relay:
 
     def pump_in(self, sock: socket.socket, receiver: Any) -> None:
         """Port -> socket, until eof or close; then half-close the socket (or close it when both halves are done)."""
+        pending = None  # a recv() that timed out still takes the next value: keep waiting on the same one
         try:
             while not self.closed.is_set():
+                pending = pending or receiver.recv()
                 try:
-                    message = receiver.recv().get(timeout=_POLL_S)
+                    message = pending.get(timeout=_POLL_S)
                 except TimeoutError:
                     continue
+                pending = None
                 if message[0] != "data":
                     break
                 sock.sendall(message[1])
