@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime import CLIENT_NAME, ChildProc, Future, context, current_runtime, spawn_children
+from ..runtime import CLIENT_NAME, ChildProc, Future, context, current_runtime, runtime_started, spawn_children
 from ..transport import dumps
 from ._bootstrap import BootstrapSpec, check_proc_bind, check_python, proc_commands
 from ._host_agent import agent_mesh
@@ -247,7 +247,12 @@ _this_hosts: dict[int, HostMesh] = {}
 
 
 def this_host() -> HostMesh:
-    """The host the current code runs on (one owned mesh per runtime until it is shut down)."""
+    """The host the current code runs on (one owned mesh per runtime until it is shut down).
+
+    Does not start the runtime: before it runs, each call gives a new mesh object.
+    """
+    if not runtime_started():
+        return HostMesh()
     rt = current_runtime()
     hm = _this_hosts.get(id(rt))
     if hm is None or hm._state.shut_down:
