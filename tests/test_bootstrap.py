@@ -278,3 +278,24 @@ def test_shutdown_ends_worker_loops_and_stop_keeps_them(tmp_path: Path) -> None:
             if w.poll() is None:
                 w.send_signal(signal.SIGKILL)
                 w.wait(timeout=10)
+
+
+@pytest.mark.timeout(150)
+def test_bootstrap_command_and_proc_bind_reach_procs_on_job_hosts() -> None:
+    from actormesh.job import ProcessJob
+
+    cpus = sorted(os.sched_getaffinity(0))
+    job = ProcessJob({"hosts": 2})
+    try:
+        hosts = job.state().hosts
+        procs = hosts.spawn_procs(
+            per_host={"gpus": 2},
+            bootstrap_command=lambda p: default_bootstrap_cmd().with_env({"CUDA_VISIBLE_DEVICES": f"{p['hosts']}.{p['gpus']}"}),
+            proc_bind=[{"cpus": str(cpus[0])}, {"cpus": str(cpus[-1])}],
+        )
+        values = procs.spawn("env", Env).probe.call("CUDA_VISIBLE_DEVICES").get(timeout=60).values()
+        assert [v[0] for v in values] == ["0.0", "0.1", "1.0", "1.1"]
+        assert [v[1] for v in values] == [[cpus[0]], [cpus[-1]]] * 2
+        procs.stop().get(timeout=60)
+    finally:
+        job.kill()
