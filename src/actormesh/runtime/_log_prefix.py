@@ -59,7 +59,8 @@ def install(client_display: Callable[[], str | None]) -> None:
         try:
             prefix = actor_prefix()
             if prefix and record.msg:
-                record.msg = f"{prefix}{record.msg}"
+                # %-formatting runs over the whole message later: a '%' in an actor's name must stay literal
+                record.msg = f"{prefix.replace('%', '%%') if record.args else prefix}{record.msg}"
                 record.actor_prefix = prefix
         except Exception:  # naming the actor must never break logging
             pass
