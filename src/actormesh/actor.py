@@ -27,10 +27,11 @@ from typing import Any, Callable
 
 from . import config
 from .errors import ActorError, SupervisionError
-from .job import attach_to_workers, run_worker_loop_forever
+from .job import attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
 from .mesh import (
     Accumulator,
     ActorMesh,
+    BootstrapCommand,
     Endpoint,
     Extent,
     HostMesh,
@@ -38,6 +39,7 @@ from .mesh import (
     ProcMesh,
     ValueMesh,
     as_endpoint,
+    default_bootstrap_cmd,
     get_or_spawn_controller,
     send,
     this_host,
@@ -46,18 +48,22 @@ from .mesh import (
 from .runtime import (
     Actor,
     Channel,
+    ChannelTransport,
     Context,
     Future,
     Instance,
     MeshFailure,
     Port,
     PortReceiver,
+    ProcId,
+    Uid,
     concurrent_endpoint,
     context,
     current_actor_name,
     default_fault_hook,
     enable_transport,
     endpoint,
+    returns_future,
     shutdown_context,
 )
 
@@ -66,7 +72,9 @@ __all__ = [
     "Actor",
     "ActorError",
     "ActorMesh",
+    "BootstrapCommand",
     "Channel",
+    "ChannelTransport",
     "Context",
     "Endpoint",
     "Extent",
@@ -77,12 +85,18 @@ __all__ = [
     "Point",
     "Port",
     "PortReceiver",
+    "ProcId",
     "ProcMesh",
     "SupervisionError",
+    "Uid",
     "ValueMesh",
     "as_endpoint",
     "attach_to_workers",
     "run_worker_loop_forever",
+    "run_worker_loop_until_shutdown",
+    "start_worker_loop_forever",
+    "default_bootstrap_cmd",
+    "returns_future",
     "concurrent_endpoint",
     "config",
     "context",

@@ -23,6 +23,7 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | hung_timeout            | 60.0       | seconds a silent child proc may use no CPU while not runnable before it is declared hung and killed |
 | shm_threshold_bytes     | 1 MiB      | message buffers this large go to same-host procs through shared memory; 0 = never |
 | shm_pool_bytes          | 1 GiB      | idle shared-memory message buffers a process keeps for reuse |
+| prefix_python_logs_with_actor | True | Python log messages made inside an actor start with ``[actor=<name>] `` |
 
 Example::
 
@@ -37,13 +38,32 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._monarch_config import MONARCH_KEYS, Encoding, translate
 from .errors import ConfigError
 
-__all__ = ["Config", "configure", "configured", "get_config", "get_global_config", "clear_runtime_config"]
+__all__ = [
+    "Config",
+    "ConfigTypeError",
+    "Encoding",
+    "configure",
+    "configured",
+    "get_config",
+    "get_global_config",
+    "get_runtime_config",
+    "clear_runtime_config",
+    "parametrize_config",
+    "parametrize_config_pointwise",
+]
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value had the wrong type (caught by ``except TypeError`` too, as in Monarch)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +87,16 @@ class Config:
     hung_timeout: float = 60.0
     shm_threshold_bytes: int = 1 << 20
     shm_pool_bytes: int = 1 << 30
+    prefix_python_logs_with_actor: bool = True
+
+    def __getitem__(self, key: str) -> Any:
+        """``cfg["cleanup_timeout"]``; Monarch's key names work too (see docs/config.md)."""
+        if key == "default_encoding":
+            return Encoding.Multipart
+        name = MONARCH_KEYS.get(key, key) if key not in _NAMES else key
+        if not isinstance(name, str) or name not in _NAMES:
+            raise KeyError(key)
+        return getattr(self, name)
 
     def to_env(self) -> dict[str, str]:
         """The settings as ``ACTORMESH_*`` variables, to hand to child processes."""
@@ -103,10 +133,10 @@ def _coerce(key: str, value: Any, *, from_env: bool) -> Any:
             return value
         if from_env and isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
-        raise ConfigError(f"config key {key!r} expects a bool, got {value!r}")
+        raise ConfigTypeError(f"config key {key!r} expects a bool, got {value!r}")
     if field_type == "int":
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"config key {key!r} expects an int (bytes), got {value!r}")
+            raise ConfigTypeError(f"config key {key!r} expects an int (bytes), got {value!r}")
         try:
             result = int(value)
         except ValueError as exc:
@@ -115,8 +145,8 @@ def _coerce(key: str, value: Any, *, from_env: bool) -> Any:
             raise ConfigError(f"config key {key!r} must be positive, got {value!r}")
         return result
     if field_type == "float":
-        if isinstance(value, bool):
-            raise ConfigError(f"config key {key!r} expects seconds, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigTypeError(f"config key {key!r} expects seconds or a duration string like '30s', got {value!r}")
         try:
             result = float(value) if isinstance(value, (int, float)) else _parse_duration(str(value))
         except ValueError as exc:
@@ -125,19 +155,23 @@ def _coerce(key: str, value: Any, *, from_env: bool) -> Any:
             raise ConfigError(f"config key {key!r} must be a positive finite duration, got {value!r}")
         return result
     if not isinstance(value, str):
-        raise ConfigError(f"config key {key!r} expects a string, got {value!r}")
+        raise ConfigTypeError(f"config key {key!r} expects a string, got {value!r}")
     if key == "default_transport" and value not in _TRANSPORTS:
         raise ConfigError(f"default_transport must be one of {_TRANSPORTS}, got {value!r}")
     return value
 
 
+_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+
+
 def _check(updates: dict[str, Any], *, from_env: bool) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(Config)}
     out = {}
     for key, value in updates.items():
-        if key not in names:
-            raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(names))}")
-        out[key] = _coerce(key, value, from_env=from_env)
+        for name, val in translate(key, value, _NAMES).items():
+            if name not in _NAMES:
+                raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(_NAMES))} "
+                                  "(and Monarch's names for them, see docs/config.md)")
+            out[name] = _coerce(name, val, from_env=from_env)
     return out
 
 
@@ -164,6 +198,12 @@ def get_config() -> Config:
 def get_global_config() -> dict[str, Any]:
     """The settings in force as a plain dict."""
     return dataclasses.asdict(_current)
+
+
+def get_runtime_config() -> dict[str, Any]:
+    """The settings made with :func:`configure` / :func:`configured` (not defaults or environment)."""
+    with _lock:
+        return dict(_runtime)
 
 
 def configure(**kw: Any) -> Config:
@@ -203,3 +243,99 @@ def configured(**kw: Any) -> Iterator[Config]:
             _runtime.clear()
             _runtime.update(saved)
             _current = dataclasses.replace(_base, **_runtime)
+
+
+def _parametrize(combos: list[dict[str, Any]], what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator running a pytest test once per settings dict, inside ``configured(**combo)``."""
+    import functools
+    import inspect
+
+    import pytest
+
+    for combo in combos:
+        _check(combo, from_env=False)  # a bad key or value fails at decoration time, not in the test
+    ids = ["-".join(f"{k}={v}" for k, v in combo.items()) for combo in combos]
+    param = "_actormesh_config"
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        if param in sig.parameters:
+            raise TypeError(f"{what} cannot be applied twice to {fn.__qualname__}; give all settings in one call")
+        new_sig = sig.replace(parameters=[inspect.Parameter(param, inspect.Parameter.POSITIONAL_OR_KEYWORD), *sig.parameters.values()])
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def wrapper(_actormesh_config: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+                with configured(**_actormesh_config):
+                    return await fn(*args, **kwargs)
+        else:
+
+            @functools.wraps(fn)
+            def wrapper(_actormesh_config: dict[str, Any], *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+                with configured(**_actormesh_config):
+                    return fn(*args, **kwargs)
+
+        wrapper.__signature__ = new_sig  # type: ignore[attr-defined]
+        return pytest.mark.parametrize(param, combos, ids=ids)(wrapper)
+
+    return decorate
+
+
+def parametrize_config(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a pytest test under every combination (cartesian product) of the given settings.
+
+    Each value is a collection of settings to try; the test body runs inside
+    ``configured(...)`` with one combination. Example::
+
+        @parametrize_config(default_transport={"unix", "tcp"}, tls={False})
+        def test_round_trip(): ...
+    """
+    import itertools
+
+    if not options:
+        raise ValueError("parametrize_config needs at least one setting, e.g. parametrize_config(default_transport={'unix', 'tcp'})")
+    keys = list(options)
+    values = [_values_of(k, options[k], "parametrize_config") for k in keys]
+    return _parametrize([dict(zip(keys, combo)) for combo in itertools.product(*values)], "parametrize_config")
+
+
+def parametrize_config_pointwise(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a pytest test once per position: the i-th value of every setting together (zip).
+
+    All settings must give the same number of values. Example::
+
+        @parametrize_config_pointwise(default_transport=["unix", "tcp"], tls=[False, True])
+        def test_round_trip(): ...   # (unix, no TLS), then (tcp, TLS)
+    """
+    if not options:
+        raise ValueError("parametrize_config_pointwise needs at least one setting")
+    keys = list(options)
+    values = [_values_of(k, options[k], "parametrize_config_pointwise") for k in keys]
+    lengths = {k: len(v) for k, v in zip(keys, values)}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"parametrize_config_pointwise needs the same number of values for every setting; got {lengths}")
+    return _parametrize([dict(zip(keys, combo)) for combo in zip(*values)], "parametrize_config_pointwise")
+
+
+def _values_of(key: str, values: Any, what: str) -> list[Any]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{what}({key}=...) needs a collection of values to try, got {values!r}")
+    out = list(values)
+    if not out:
+        raise ValueError(f"{what}({key}=...) got no values")
+    return out
+
+
+class _ConfigModule(types.ModuleType):
+    """Lets ``config.prefix_python_logs_with_actor = False`` (Monarch's spelling) set the setting."""
+
+    @property
+    def prefix_python_logs_with_actor(self) -> bool:
+        return _current.prefix_python_logs_with_actor
+
+    @prefix_python_logs_with_actor.setter
+    def prefix_python_logs_with_actor(self, value: bool) -> None:
+        configure(prefix_python_logs_with_actor=value)
+
+
+sys.modules[__name__].__class__ = _ConfigModule

@@ -76,9 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.secret_file:
         raise SystemExit("a job secret is required: --secret-file PATH or ACTORMESH_SECRET_FILE")
     secret, tls = read_credentials(args.secret_file)
-    from .mesh._host_agent import serve_agent
+    from .mesh import serve_agent, shutdown_requested
 
     rt = serve_agent(args.address, secret, args.controller, tls=tls)
+    shut = shutdown_requested(rt)
     if args.print_address:
         print(rt.address, flush=True)
     stop = threading.Event()
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if args.controller:
         rt.on_peer_lost.append(lambda address, reason: stop.set() if address == args.controller else None)
-    while not stop.wait(0.5):  # a timed wait lets the main thread run signal handlers
+    while not stop.wait(0.5) and not shut.done():  # a timed wait lets the main thread run signal handlers
         pass
     from .runtime._spawn import kill_all_children
 

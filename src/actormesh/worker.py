@@ -29,6 +29,24 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _pin_cpus() -> str | None:
+    """Apply ``proc_bind={'cpus': ...}`` (sched_setaffinity); return an error text if it fails."""
+    from .runtime._launch import CPUS_ENV
+
+    spec = os.environ.pop(CPUS_ENV, None)  # not inherited by this proc's own children
+    if not spec:
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as exc:
+        return f"proc_bind cpus={spec!r} could not be applied: {exc} (this host has CPUs {sorted(os.sched_getaffinity(0))})"
+    return None
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.buffer.read())
     _die_with_parent(spec["parent_pid"])
@@ -42,8 +60,8 @@ def main() -> None:
     from .runtime._proc import ProcRuntime
     import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
 
-    hello_error = None
-    if spec["bootstrap"]:
+    hello_error = _pin_cpus()
+    if spec["bootstrap"] and hello_error is None:
         try:
             fn = loads([base64.b64decode(spec["bootstrap"])])
             result = fn()

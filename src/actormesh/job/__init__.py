@@ -13,11 +13,15 @@ Example::
     job.kill()
 """
 
-from ._attach import attach_to_workers, run_worker_loop_forever
+from ._attach import attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
+from ._current import CURRENT_JOB_FILE, hosts_from_config, load_current_job, set_current_job
 from ._errors import JobError
+from ._exec import exec_command
 from ._job import Job, JobState, job_load, job_loads
 from ._kubernetes import KubernetesJob
 from ._local import LocalJob, ProcessJob
+from ._port_forward import PortForwarder
+from ._shell import shell
 from ._slurm import SlurmJob
 from ._ssh import SSHJob
 
@@ -35,6 +39,15 @@ __all__ = [
     "KubernetesJob",
     "job_load",
     "job_loads",
+    "CURRENT_JOB_FILE",
+    "set_current_job",
+    "load_current_job",
+    "hosts_from_config",
+    "exec_command",
+    "PortForwarder",
+    "shell",
     "attach_to_workers",
     "run_worker_loop_forever",
+    "run_worker_loop_until_shutdown",
+    "start_worker_loop_forever",
 ]

@@ -10,13 +10,15 @@ first actormesh call.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..mesh import HostMesh
+from ..mesh import HostMesh, serve_agent, shutdown_requested
+from ..runtime import Future
 from ._controller import SECRET_ENV, credentials_from_env, runtime_with_secret, secret_from_env
 
-__all__ = ["run_worker_loop_forever", "attach_to_workers", "normalize_address"]
+__all__ = ["run_worker_loop_forever", "start_worker_loop_forever", "run_worker_loop_until_shutdown", "attach_to_workers", "normalize_address"]
 
 _TRUST_ALL = "trust_all_connections"
 
@@ -60,6 +62,51 @@ def run_worker_loop_forever(*, address: str, ca: str = _TRUST_ALL, private_key: 
     from ..host import main
 
     main(["--address", addr, "--secret-file", os.environ[SECRET_ENV]])
+
+
+def start_worker_loop_forever(*, address: str, ca: str = _TRUST_ALL, private_key: Any = None) -> Future[None]:
+    """Serve this machine as a host at ``address`` without blocking; return a Future of its lifetime.
+
+    The server is listening when this returns and keeps serving if the Future
+    is dropped; it completes with None once a controller calls
+    ``HostMesh.shutdown()`` (this process's procs are stopped and its runtime
+    closed; the process lives on). A controller that disconnects only has its
+    procs stopped: the host waits for the next one. The job secret is read from
+    ``ACTORMESH_SECRET_FILE``; this process must not run an actormesh runtime yet.
+    """
+    from ..runtime import runtime_started, shutdown_context
+
+    _check_ca(ca, private_key)
+    addr = normalize_address(address)
+    secret, tls = credentials_from_env("start_worker_loop_forever")
+    if runtime_started():
+        raise RuntimeError("start_worker_loop_forever(): this process already runs an actormesh runtime "
+                           "(a controller or another worker loop); start the worker loop in a fresh process")
+    rt = serve_agent(addr, secret, tls=tls)
+    done: Future[None] = Future._create()
+
+    def finish() -> None:
+        try:
+            shutdown_context()
+        finally:
+            done._set_result(None)
+
+    shutdown_requested(rt)._add_done_callback(lambda _: threading.Thread(target=finish, name="actormesh-worker-shutdown", daemon=True).start())
+    return done
+
+
+def run_worker_loop_until_shutdown(*, address: str, ca: str = _TRUST_ALL, private_key: Any = None) -> None:
+    """Serve this machine as a host at ``address`` until a controller calls ``HostMesh.shutdown()``, then return.
+
+    Like :func:`run_worker_loop_forever`, but the process is not ended: the
+    host's procs are stopped and its runtime closed before this returns.
+    """
+    lifetime = start_worker_loop_forever(address=address, ca=ca, private_key=private_key)
+    while True:  # a timed wait keeps Ctrl-C responsive while the host serves
+        try:
+            return lifetime.get(timeout=1.0)
+        except TimeoutError:
+            continue
 
 
 def attach_to_workers(*, workers: Sequence[Any], ca: str = _TRUST_ALL, name: str | None = None, private_key: Any = None) -> HostMesh:

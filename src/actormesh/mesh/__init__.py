@@ -3,7 +3,10 @@
 from ..runtime import hooks as _hooks
 from ._actor_mesh import ActorMesh
 from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, as_endpoint, send
-from ._proc_mesh import HostMesh, ProcMesh, proc_mesh_for, release_hosts, this_host, this_proc
+from ._bootstrap import BootstrapCommand, default_bootstrap_cmd
+from ._host_agent import serve_agent, shutdown_requested
+from ._host_mesh import HostMesh, this_host
+from ._proc_mesh import ProcMesh, proc_mesh_for, release_hosts, this_proc
 from ._singleton import get_or_spawn_controller, install_singleton_handler
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._value_mesh import ValueMesh
@@ -16,6 +19,10 @@ __all__ = [
     "as_endpoint",
     "send",
     "HostMesh",
+    "serve_agent",
+    "shutdown_requested",
+    "BootstrapCommand",
+    "default_bootstrap_cmd",
     "ProcMesh",
     "release_hosts",
     "get_or_spawn_controller",

@@ -37,7 +37,7 @@ from ._logs import pump
 
 log = logging.getLogger("actormesh.host")
 
-__all__ = ["HostAgent", "AGENT_NAME", "agent_mesh", "serve_agent", "EventPort"]
+__all__ = ["HostAgent", "AGENT_NAME", "agent_mesh", "serve_agent", "EventPort", "shutdown_requested"]
 
 AGENT_NAME = "host_agent"
 
@@ -51,6 +51,7 @@ class HostAgent(Actor):
         #: child address -> the controller that asked for it (where its events go)
         self.owners: dict[str, str] = {}
         self._pumps: dict[str, list[threading.Thread]] = {}
+        self.shut_down = False
         rt = current_runtime()
         rt.on_peer_lost.append(self._lost)
 
@@ -79,8 +80,11 @@ class HostAgent(Actor):
         return {"hostname": socket.gethostname(), "pid": os.getpid(), "cpus": os.cpu_count(), "address": current_runtime().address}
 
     @endpoint
-    def spawn_procs(self, names: list[str], labels: list[str], bootstrap_blob: bytes | None, events: Port[Any], timeout_s: float) -> list[str]:
+    def spawn_procs(self, names: list[str], labels: list[str], bootstrap_blob: bytes | None, events: Port[Any], timeout_s: float,
+                    commands: list[Any] | None = None) -> list[str]:
         """Start one proc per name; return their addresses once all are ready.
+
+        ``commands[i]`` (a ``runtime.launch.ProcCommand``), when given, launches proc ``i``.
 
         Output lines and unexpected exits are sent to ``events`` as
         ``("log", who, stream, line)`` and ``("exit", address, cause)``.
@@ -98,7 +102,9 @@ class HostAgent(Actor):
             pump(out, deliver, who, "stdout")
             pump(err, deliver, who, "stderr")
 
-        children = spawn_children(rt, names, bootstrap_blob=bootstrap_blob, stdio=stdio)
+        if self.shut_down:
+            raise RuntimeError("this host was shut down (HostMesh.shutdown()); start its worker loop again to use it")
+        children = spawn_children(rt, names, bootstrap_blob=bootstrap_blob, stdio=stdio, commands=commands)
         for c in children:
             self.children[c.address] = c
             self.events[c.address] = events
@@ -116,6 +122,33 @@ class HostAgent(Actor):
             self.events.pop(c.address, None)
             self.owners.pop(c.address, None)
         stop_children(rt, children, timeout_s).get(timeout=timeout_s + 5)
+
+
+    @endpoint
+    def shutdown_host(self) -> None:
+        """Stop every proc on this host, then end this agent's worker loop (HostMesh.shutdown())."""
+        rt = current_runtime()
+        self.shut_down = True
+        children = list(self.children.values())
+        self.children.clear()
+        self.events.clear()
+        self.owners.clear()
+        timeout = rt.config.stop_timeout
+        stop_children(rt, children, timeout).get(timeout=timeout + 5)
+        shutdown_requested(rt)._set_result(None)
+
+
+_shutdowns: dict[int, Any] = {}
+
+
+def shutdown_requested(runtime: Any) -> Any:
+    """A Future that completes when a controller shuts this agent's host down."""
+    from ..runtime import Future
+
+    fut = _shutdowns.get(id(runtime))
+    if fut is None:
+        fut = _shutdowns[id(runtime)] = Future._create()
+    return fut
 
 
 class EventPort:

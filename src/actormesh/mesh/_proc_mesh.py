@@ -1,4 +1,4 @@
-"""ProcMesh and HostMesh: processes to spawn actors on, and hosts to spawn them on.
+"""ProcMesh: processes to spawn actors on (HostMesh, the hosts, is in ``_host_mesh``).
 
 ``this_host().spawn_procs(per_host={"gpus": 4})`` starts four worker processes
 (non-blocking: messages queue until they are up). ``procs.spawn(name, Cls, ...)``
@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import socket
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,11 +34,10 @@ from ..runtime import (
 from ..transport import dumps
 from ._actor_mesh import RESERVED_NAMES, ActorMesh, member_display
 from ._host_agent import EventPort, agent_mesh
-from ._logs import pump, sink
-from ._progress import progress
+from ._logs import sink
 from ._shape import Extent, MeshTrait, Shape
 
-__all__ = ["ProcMesh", "HostMesh", "this_host", "this_proc", "proc_mesh_for", "release_hosts"]
+__all__ = ["ProcMesh", "this_proc", "proc_mesh_for", "release_hosts"]
 
 T = TypeVar("T")
 
@@ -57,6 +55,8 @@ class _ProcMeshState:
     generation: int = 0
     #: For procs on remote hosts: (agent address, proc addresses) per host.
     agents: list[tuple[str, list[str]]] | None = None
+    #: How each rank was launched (``HostMesh.spawn_procs(bootstrap_command=, proc_bind=)``); None: the default.
+    commands: list[Any] | None = None
 
     def replace(self, rank: int, dead_address: str) -> str:
         """Start a fresh proc at ``rank`` if it still is ``dead_address``; return its address.
@@ -69,7 +69,8 @@ class _ProcMeshState:
             return self.addresses[rank]  # someone already replaced it
         self.generation += 1
         old = self.children[rank]
-        (child,) = spawn_children(current_runtime(), [f"{old.name}.r{self.generation}"], bootstrap=self.bootstrap, owner=self.owner)
+        command = [self.commands[rank]] if self.commands else None
+        (child,) = spawn_children(current_runtime(), [f"{old.name}.r{self.generation}"], bootstrap=self.bootstrap, owner=self.owner, commands=command)
         self.children[rank] = child
         self.addresses[rank] = child.address
         return child.address
@@ -243,9 +244,11 @@ class ProcMesh(MeshTrait):
             await self.spawn("_logging_level", _LogLevel, level).initialized
 
     @property
-    def host_mesh(self) -> HostMesh:
-        """The host these procs run on."""
-        return HostMesh()
+    def host_mesh(self) -> Any:
+        """The host these procs run on (a reference: it cannot stop or shut down the host)."""
+        from ._host_mesh import HostMesh
+
+        return HostMesh(_owned=False)
 
     async def __aenter__(self) -> ProcMesh:
         return self
@@ -269,94 +272,6 @@ class _LogLevel(Actor):
 
     def __init__(self, level: int) -> None:
         logging.getLogger().setLevel(level)
-
-
-class HostMesh(MeshTrait):
-    """Hosts to start procs on. ``this_host()`` is the local machine (extent ``{}``);
-    a job's host mesh has a ``hosts`` dimension, one host agent per host."""
-
-    def __init__(self, shape: Shape | None = None, agents: list[str] | None = None) -> None:
-        self._shape = shape or (Shape.row_major(("hosts",), (len(agents),)) if agents else Shape.unity())
-        self._agents = agents
-
-    def _new_with_shape(self, shape: Shape) -> HostMesh:
-        return HostMesh(shape, self._agents)
-
-    @property
-    def initialized(self) -> Future[bool]:
-        """Completes once every host agent answers."""
-        if not self._agents:
-            return Future._completed(True)
-        futs = [agent_mesh(self._agents[self._shape.rank_at(i)]).info.call_one() for i in range(len(self._shape))]
-        done: Future[bool] = Future._create()
-        threading.Thread(target=lambda: done._set_thunk(lambda: [f.get(timeout=60) for f in futs] and True), daemon=True).start()
-        return done
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (HostMesh, (self._shape, self._agents))
-
-    def spawn_procs(self, per_host: dict[str, int] | None = None, bootstrap: Callable[[], Any] | None = None, name: str | None = None) -> ProcMesh:
-        """Start ``per_host`` procs on every host, e.g. ``per_host={"gpus": 4}``.
-
-        ``bootstrap`` (sync or async, no arguments) runs on every proc before any
-        actor. Returns at once; use ``.initialized`` to wait for the procs.
-        """
-        per_host = dict(per_host or {})
-        for label, size in per_host.items():
-            if not isinstance(label, str):
-                raise TypeError(f"per_host keys must be dimension names (str), got {label!r}")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"per_host[{label!r}] must be a positive int, got {size!r}")
-        overlap = set(per_host) & set(self._shape.labels)
-        if overlap:
-            raise ValueError(f"per_host dims {sorted(overlap)} collide with the host mesh's dims {list(self._shape.labels)}")
-        if bootstrap is not None and not callable(bootstrap):
-            raise TypeError(f"bootstrap must be a callable taking no arguments, got {bootstrap!r}")
-        labels = (*self._shape.labels, *per_host)
-        sizes = (*self._shape.sizes, *per_host.values())
-        shape = Shape.row_major(labels, sizes)
-        base = name or "anon"
-        rt = current_runtime()
-        me = context().actor_instance
-        owner = me.name if me._cell is not None else CLIENT_NAME
-        if self._agents:
-            return self._spawn_remote(rt, shape, per_host, base, bootstrap, owner)
-        names = [f"{base}-{i}" for i in range(len(shape))]
-        host = socket.gethostname()
-
-        def stdio(child: ChildProc, out: Any, err: Any) -> None:
-            who = f"{child.name.rsplit('-', 1)[-1]} {host}"
-            child.pumps = [pump(out, sink.line, who, "stdout"), pump(err, sink.line, who, "stderr")]  # type: ignore[attr-defined]
-
-        children = spawn_children(rt, names, bootstrap=bootstrap, owner=owner, stdio=stdio)
-        addresses = [c.address for c in children]
-        return ProcMesh(addresses, shape, base, _ProcMeshState(children, bootstrap=bootstrap, owner=owner, addresses=addresses))
-
-    def _spawn_remote(self, rt: Any, shape: Shape, per_host: dict[str, int], base: str, bootstrap: Callable[[], Any] | None, owner: str) -> ProcMesh:
-        per = 1
-        for size in per_host.values():
-            per *= size
-        blob = bytes(dumps(bootstrap, out_of_band=False)[0]) if bootstrap is not None else None
-        port = _event_port(rt)
-        timeout = rt.config.proc_spawn_timeout
-        calls = []
-        for h in range(len(self._shape)):
-            agent = self._agents[self._shape.rank_at(h)]  # type: ignore[index]
-            ranks = range(h * per, (h + 1) * per)
-            names = [f"{base}-{r}" for r in ranks]
-            calls.append((agent, agent_mesh(agent).spawn_procs.call_one(names, [str(r) for r in ranks], blob, port, timeout)))
-        agents: list[tuple[str, list[str]]] = []
-        with progress(f"starting {per * len(calls)} procs on {len(calls)} hosts", len(calls)) as advance:
-            for agent, fut in calls:
-                agents.append((agent, fut.get(timeout=timeout + 10)))
-                advance(1)
-        addresses = [a for _, addrs in agents for a in addrs]
-        state = _ProcMeshState(None, bootstrap=bootstrap, owner=owner, addresses=addresses, agents=agents)
-        _remote_states[id(state)] = state
-        return ProcMesh(addresses, shape, base, state)
-
-    def __repr__(self) -> str:
-        return f"<HostMesh {self._shape.extent}>"
 
 
 #: Proc meshes on remote hosts, so that they can be torn down with their hosts.
@@ -388,11 +303,6 @@ def release_hosts(hosts: HostMesh, reason: str = "its hosts were released") -> N
                 rt.expect_gone(address)
     for agent in gone:
         rt.expect_gone(agent)
-
-
-def this_host() -> HostMesh:
-    """The host the current code runs on."""
-    return HostMesh()
 
 
 _event_ports: dict[int, EventPort] = {}

@@ -18,7 +18,15 @@ Example::
 from ._action import RDMAAction
 from ._backends import Backend, BufferHandle, register_backend
 from ._buffer import RDMABuffer, get_rdma_backend, is_ibverbs_available, is_rdma_available
-from ._errors import BufferDroppedError, OwnerGoneError, RDMAError, RDMATimeoutError
+from ._errors import (
+    BufferDroppedError,
+    OwnerGoneError,
+    RDMAError,
+    RDMAReadTransferWarning,
+    RDMATcpFallbackWarning,
+    RDMATimeoutError,
+    RDMAWriteTransferWarning,
+)
 
 __all__ = [
     "RDMABuffer",
@@ -30,6 +38,9 @@ __all__ = [
     "OwnerGoneError",
     "BufferDroppedError",
     "RDMATimeoutError",
+    "RDMAReadTransferWarning",
+    "RDMAWriteTransferWarning",
+    "RDMATcpFallbackWarning",
     "Backend",
     "BufferHandle",
     "register_backend",

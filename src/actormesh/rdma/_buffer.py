@@ -23,13 +23,14 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from ..runtime import Future, current_actor_name, current_runtime
 from ._backends import BACKENDS, BufferHandle, Unusable, backends_for, forced_backend, same_host
 from ._client import drop_remote
-from ._errors import BufferDroppedError, RDMAError
+from ._errors import BufferDroppedError, RDMAError, RDMAReadTransferWarning, RDMATcpFallbackWarning, RDMAWriteTransferWarning
 from ._memory import Region, host_id, proc_start_time, region_of
 from ._registry import registry
 from ._server import ensure_server
@@ -211,6 +212,9 @@ class RDMABuffer:
             raise ValueError(f"dst is too small: {local.nbytes} bytes, the RDMA buffer holds {self.size()}")
         if local.readonly:
             raise ValueError("dst is read-only: read_into needs writable memory")
+        if not local.is_cpu:
+            warnings.warn(f"read_into a {local.device} tensor: the bytes are staged through host memory (one extra copy)",
+                          RDMAReadTransferWarning, stacklevel=2)
         return self._start(local, self.size(), write=False, timeout=_check_timeout(timeout))
 
     def write_from(self, src: Any, *, timeout: float = 60) -> Future[None]:
@@ -224,6 +228,9 @@ class RDMABuffer:
             raise ValueError(f"src is too large: {local.nbytes} bytes, the RDMA buffer holds {self.size()}")
         if self._handle.readonly:
             raise ValueError(f"the RDMA buffer owned by {self.owner} was registered from read-only memory; it cannot be written")
+        if not local.is_cpu:
+            warnings.warn(f"write_from a {local.device} tensor: the bytes are staged through host memory (one extra copy)",
+                          RDMAWriteTransferWarning, stacklevel=2)
         return self._start(local, local.nbytes, write=True, timeout=_check_timeout(timeout))
 
     def _start(self, local: Region, nbytes: int, *, write: bool, timeout: float) -> Future[None]:
@@ -259,6 +266,9 @@ class RDMABuffer:
             except Unusable:
                 continue
             self._backend = backend.name
+            if backend.name == "tcp" and forced_backend() == "auto" and same_host(self._handle):
+                warnings.warn(f"the RDMA buffer of {self._handle.describe_owner()} is on this host, but no same-host path could reach it; "
+                              "this transfer used the TCP stream (slower)", RDMATcpFallbackWarning, stacklevel=2)
             return None
         raise RDMAError(f"no RDMA backend could reach the buffer of {self._handle.describe_owner()}", owner=self.owner)
 

@@ -10,13 +10,25 @@
 
 Argument problems (a destination too small, non-contiguous memory) are
 ``ValueError`` raised at the call site, before anything moves.
+
+Warnings (Monarch's names; each shown once per process and call site, as
+``warnings`` does by default):
+
+- ``RDMAReadTransferWarning`` / ``RDMAWriteTransferWarning``: ``read_into`` /
+  ``write_from`` with GPU memory on the calling side; the bytes are staged
+  through a host buffer (an extra copy each way).
+- ``RDMATcpFallbackWarning``: a transfer between two processes on the same
+  host had to use the TCP stream because neither same-host path (kernel copy,
+  shared memory) could reach the buffer. Cross-host TCP is the designed path
+  and does not warn.
 """
 
 from __future__ import annotations
 
 from ..errors import TransportError
 
-__all__ = ["RDMAError", "OwnerGoneError", "BufferDroppedError", "RDMATimeoutError"]
+__all__ = ["RDMAError", "OwnerGoneError", "BufferDroppedError", "RDMATimeoutError",
+           "RDMAReadTransferWarning", "RDMAWriteTransferWarning", "RDMATcpFallbackWarning"]
 
 
 class RDMAError(TransportError):
@@ -44,3 +56,15 @@ class BufferDroppedError(RDMAError):
 
 class RDMATimeoutError(RDMAError, TimeoutError):
     """The transfer did not complete within its ``timeout``."""
+
+
+class RDMAReadTransferWarning(Warning):
+    """``read_into`` a GPU destination: the bytes go through a host staging buffer."""
+
+
+class RDMAWriteTransferWarning(Warning):
+    """``write_from`` a GPU source: the bytes go through a host staging buffer."""
+
+
+class RDMATcpFallbackWarning(Warning):
+    """A same-host transfer fell back to the TCP stream (no same-host path could reach the buffer)."""

@@ -2,6 +2,7 @@
 child procs. Knows nothing of meshes; the mesh layer builds on what is exported here."""
 
 from . import _hooks as hooks
+from . import _launch as launch
 from . import _messages as messages
 from ._actor import (
     Actor,
@@ -17,6 +18,8 @@ from ._actor import (
 from ._channel import Channel, Port, PortReceiver
 from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, shutdown_context
 from ._future import Future
+from ._ids import ChannelTransport, ProcId, Uid
+from ._returns_future import returns_future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._selfwait import mark_if_self_call
@@ -26,6 +29,7 @@ from ._supervision import CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy,
 __all__ = [
     "hooks",
     "messages",
+    "launch",
     "Actor",
     "Context",
     "EndpointProperty",
@@ -45,6 +49,10 @@ __all__ = [
     "enable_transport",
     "shutdown_context",
     "Future",
+    "ChannelTransport",
+    "ProcId",
+    "Uid",
+    "returns_future",
     "GatherPort",
     "OnePort",
     "QueuePort",

@@ -22,9 +22,15 @@ _client_context: Context | None = None
 _lock = threading.Lock()
 
 
-def _install(rt: ProcRuntime) -> None:
-    from . import _cell, _hooks, _supervision
+def _client_display() -> str | None:
+    ctx = _client_context
+    return None if ctx is None else repr(ctx.actor_instance)
 
+
+def _install(rt: ProcRuntime) -> None:
+    from . import _cell, _hooks, _log_prefix, _supervision
+
+    _log_prefix.install(_client_display)
     _cell.install(rt)
     _supervision.install(rt)
     _hooks.on_runtime(rt)
@@ -102,24 +108,45 @@ def shutdown_context() -> Any:
     return Future._completed(None)
 
 
-_TRANSPORT_NAMES = {"tcp": "tcp", "ipc": "unix", "unix": "unix", "TcpWithLocalhost": "tcp", "TcpWithHostname": "tcp", "Unix": "unix"}
+_TRANSPORT_NAMES = {"tcp": "tcp", "ipc": "unix", "unix": "unix", "tls": "tcp", "Tls": "tcp", "TcpWithLocalhost": "tcp", "TcpWithHostname": "tcp", "Unix": "unix"}
 
 
 def enable_transport(transport: Any) -> None:
-    """Choose the channel transport before first use: "unix"/"ipc" (default) or "tcp".
+    """Choose the channel transport before first use.
 
-    Enabling the transport already in use is a no-op; a different one after the
-    runtime started raises RuntimeError (Monarch's rule).
+    Accepts a :class:`ChannelTransport` or a string: ``"unix"``/``"ipc"``
+    (default), ``"tcp"`` (``TcpWithHostname``/``TcpWithLocalhost``) or
+    ``"tls"`` (tcp with mutual TLS on the job's own CA). Enabling the
+    transport already in use is a no-op; a different one after the runtime
+    started raises RuntimeError (Monarch's rule).
     """
     from ..config import configure, get_config
+    from ._ids import ChannelTransport
 
-    name = _TRANSPORT_NAMES.get(getattr(transport, "name", transport))
+    key = transport.name if isinstance(transport, ChannelTransport) else transport
+    if not isinstance(key, str):
+        raise TypeError(f"enable_transport() takes a ChannelTransport or a string like 'tcp', got {transport!r}")
+    if key in _UNSUPPORTED_TRANSPORTS or "://" in key:
+        raise ValueError(f"transport {transport!r} is not available in actormesh: {_UNSUPPORTED_TRANSPORTS.get(key, _EXPLICIT_ADDRESS)}")
+    name = _TRANSPORT_NAMES.get(key)
     if name is None:
-        raise ValueError(f"unknown transport {transport!r}; use 'unix' (or 'ipc') or 'tcp'")
+        raise ValueError(f"unknown transport {transport!r}; use ChannelTransport.Unix/TcpWithHostname/Tls or 'unix', 'ipc', 'tcp', 'tls'")
+    tls = key in ("tls", "Tls")
     rt = _runtime
     if rt is not None:
-        if rt.transport != name:
+        if rt.transport != name or (tls and rt.tls is None):
             raise RuntimeError(f"the runtime already runs on {rt.transport!r}; enable_transport() must come before any other use")
         return
-    if get_config().default_transport != name:
-        configure(default_transport=name)
+    cfg = get_config()
+    if cfg.default_transport != name or (tls and not cfg.tls):
+        configure(default_transport=name, **({"tls": True} if tls else {}))
+
+
+_EXPLICIT_ADDRESS = "listeners bind to config bind_host on free ports; give 'tcp' and configure(bind_host=...)"
+_UNSUPPORTED_TRANSPORTS = {
+    "Local": "in-process channels only; actormesh procs are separate processes (use 'unix')",
+    "local": "in-process channels only; actormesh procs are separate processes (use 'unix')",
+    **{k: "Meta-internal TLS/QUIC; use ChannelTransport.Tls (mutual TLS on the job's own CA)"
+       for k in ("MetaTlsWithHostname", "MetaTlsWithIpV6", "MetaQuicWithHostname", "MetaQuicWithIpV6", "Quic",
+                 "metatls", "metatls-hostname", "quic")},
+}

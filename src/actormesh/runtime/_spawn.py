@@ -30,6 +30,7 @@ from typing import Any
 from ..transport import dumps
 from . import _messages as M
 from ._future import Future
+from ._launch import ProcCommand, default_command
 from ._liveness import LivenessJudge, Peer, Policy, describe_exit, proc_available, read_proc
 
 log = logging.getLogger("actormesh.spawn")
@@ -154,13 +155,18 @@ def spawn_children(
     env: dict[str, str] | None = None,
     owner: str = "client",
     stdio: Callable[[ChildProc, Any, Any], None] | None = None,
+    commands: Sequence[ProcCommand | None] | None = None,
 ) -> list[ChildProc]:
     """Start one worker per name (non-blocking). Messages to them queue until ready.
 
     ``bootstrap_blob`` is an already pickled bootstrap function (a host agent
     passes it through without unpickling user code). ``stdio(child, out, err)``,
     when given, receives the child's stdout/stderr pipes (else they are inherited).
+    ``commands[i]``, when given, launches worker ``i`` (see ``_launch``); the
+    default is ``python -m actormesh.worker``.
     """
+    if commands is not None and len(commands) != len(names):
+        raise ValueError(f"spawn_children: {len(commands)} commands for {len(names)} procs")
     _install_hello(runtime)
     from ..config import get_config
 
@@ -180,16 +186,16 @@ def spawn_children(
     if bootstrap is not None:
         bootstrap_blob = bytes(dumps(bootstrap, out_of_band=False)[0])
     blob_fn = base64.b64encode(bootstrap_blob).decode() if bootstrap_blob is not None else None
-    child_env = dict(os.environ)
-    child_env.update(cfg.to_env())
-    child_env["ACTORMESH_TRANSPORT_IN_USE"] = runtime.transport
+    launch_env = cfg.to_env()
+    launch_env["ACTORMESH_TRANSPORT_IN_USE"] = runtime.transport
     if stdio is not None:
-        child_env["PYTHONUNBUFFERED"] = "1"  # lines reach the pipe as they are printed
+        launch_env["PYTHONUNBUFFERED"] = "1"  # lines reach the pipe as they are printed
     if env:
-        child_env.update(env)
+        launch_env.update(env)
 
     def start() -> None:
-        for child in children:
+        for child, command in zip(children, commands or [None] * len(children)):
+            command = command or default_command()
             spec = {
                 "secret": runtime.secret.hex(),
                 "name": child.name,
@@ -206,11 +212,12 @@ def spawn_children(
             }
             try:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "actormesh.worker"],
+                    list(command.argv),
+                    executable=command.executable,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE if stdio else None,
                     stderr=subprocess.PIPE if stdio else None,
-                    env=child_env,
+                    env=command.environment(os.environ, launch_env),
                     close_fds=True,
                 )
                 assert popen.stdin is not None
