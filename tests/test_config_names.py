@@ -63,13 +63,26 @@ def test_default_transport_takes_channel_transport_members() -> None:
 
 
 def test_monarch_keys_without_an_equivalent_say_so() -> None:
-    with pytest.raises(ConfigError, match="'rdma_allow_tcp_fallback' has no equivalent in actormesh: .*TCP"):
-        configure(rdma_allow_tcp_fallback=True)
+    with pytest.raises(ConfigError, match="'enable_log_forwarding' has no equivalent in actormesh: .*logging_option"):
+        configure(enable_log_forwarding=True)
     with pytest.raises(ConfigError, match="'tokio_worker_threads' has no equivalent"):
         configure(tokio_worker_threads=4)
     with pytest.raises(ConfigError, match="unknown config key 'does_not_exist'"):
         configure(does_not_exist=1)
     assert get_runtime_config() == {}
+
+
+def test_monarch_rdma_backend_keys_are_recorded_as_on_a_host_without_ibverbs() -> None:
+    from actormesh.config import get_global_config
+    from actormesh.rdma import is_ibverbs_available
+
+    assert get_global_config()["rdma_disable_ibverbs"] is True  # what actormesh always does
+    with configured(rdma_disable_ibverbs=False, rdma_allow_tcp_fallback=False) as cfg:
+        assert (cfg.rdma_disable_ibverbs, cfg.rdma_allow_tcp_fallback) == (False, False)
+        assert get_global_config()["rdma_disable_ibverbs"] is False
+        assert not is_ibverbs_available()  # so Monarch's ibverbs-only cases skip themselves
+    with pytest.raises(ConfigTypeError):
+        configure(rdma_disable_ibverbs="yes")
 
 
 def test_encoding() -> None:

@@ -76,7 +76,11 @@ def test_ssh_job_runs_actors_and_keeps_the_secret_out_of_argv(fake_ssh: Path, tm
         # the secret is nowhere in argv, on the ssh command line or on any process's
         assert secret_hex not in fake_ssh.read_text()
         for p in psutil.Process().children(recursive=True):
-            assert secret_hex not in " ".join(p.cmdline())
+            try:
+                argv = p.cmdline()
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                continue  # exited meanwhile (e.g. a short-lived launcher): no argv left to leak
+            assert secret_hex not in " ".join(argv)
         # it sits in a 0600 file in a 0700 private directory on each "remote" host
         dirs = _remote_dirs(tmp_path)
         assert len(dirs) == 2

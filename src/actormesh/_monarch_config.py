@@ -62,8 +62,6 @@ MONARCH_KEYS: dict[str, str] = {
 
 _WHY = {
     "enable_dest_actor_reordering_buffer": "actormesh always restores per-sender order at the receiver; it cannot be switched off",
-    "rdma_allow_tcp_fallback": "actormesh's RDMA buffers always move over shared memory (one host) or TCP (across hosts); there is no ibverbs path to fall back from",
-    "rdma_disable_ibverbs": "actormesh has no ibverbs backend (shared memory and TCP only)",
     "enable_log_forwarding": "use `await procs.logging_option(stream_to_client=True)`; actormesh's spawners always read their procs' output",
     "host_spawn_ready_timeout": "actormesh jobs take their host wait time as a job argument",
     "message_ack_every_n_messages": "actormesh channels are TCP/unix streams without application-level acks",
@@ -84,8 +82,8 @@ _MONARCH_ONLY = frozenset(
     mesh_attach_config_timeout mesh_bootstrap_enable_pdeathsig mesh_orphan_timeout mesh_terminate_concurrency mesh_terminate_timeout
     message_ack_every_n_messages message_ack_time_interval message_latency_sampling_rate message_ttl_default monarch_log_suffix
     otel_metric_export_interval pending_actor_delivery_timeout prefix_with_rank proc_launcher_kind proc_stop_max_idle
-    process_exit_timeout process_memory_metric_interval pyspy_bin rdma_allow_tcp_fallback rdma_cq_poller_per_device
-    rdma_disable_ibverbs rdma_host_odp rdma_ibverbs_target rdma_max_chunk_size_mb rdma_max_nics_per_buffer rdma_min_stripe_size_kb
+    process_exit_timeout process_memory_metric_interval pyspy_bin rdma_cq_poller_per_device
+    rdma_host_odp rdma_ibverbs_target rdma_max_chunk_size_mb rdma_max_nics_per_buffer rdma_min_stripe_size_kb
     rdma_peer_device_affinity rdma_qp_init_timeout rdma_qps_per_cq rdma_qps_per_peer rdma_runtime_worker_threads
     rdma_tcp_fallback_parallelism read_log_buffer scuba_log_enter_exit sequencer_max_locked_keys small_write_threshold
     split_max_buffer_age split_max_buffer_size stop_grace_period supervision_watchdog_timeout tail_log_lines

@@ -24,6 +24,8 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | shm_threshold_bytes     | 1 MiB      | message buffers this large go to same-host procs through shared memory; 0 = never |
 | shm_pool_bytes          | 1 GiB      | idle shared-memory message buffers a process keeps for reuse |
 | prefix_python_logs_with_actor | True | Python log messages made inside an actor start with ``[actor=<name>] `` |
+| rdma_disable_ibverbs    | True       | Monarch's RDMA backend switch. actormesh has no ibverbs backend: its buffers move over shared memory or TCP whatever the value, as Monarch's do on a host without ibverbs devices (``is_ibverbs_available()`` is False); settable and readable so Monarch programs run |
+| rdma_allow_tcp_fallback | True       | Monarch's "fall back to TCP when ibverbs fails"; with no ibverbs backend TCP is always the path, so, like the key above, it is recorded and has no other effect |
 
 Example::
 
@@ -88,6 +90,9 @@ class Config:
     shm_threshold_bytes: int = 1 << 20
     shm_pool_bytes: int = 1 << 30
     prefix_python_logs_with_actor: bool = True
+    # Monarch's RDMA backend keys, recorded only (see the table: no ibverbs backend here).
+    rdma_disable_ibverbs: bool = True
+    rdma_allow_tcp_fallback: bool = True
 
     def __getitem__(self, key: str) -> Any:
         """``cfg["cleanup_timeout"]``; Monarch's key names work too (see docs/config.md)."""

@@ -9,8 +9,9 @@ loopback on a job host becomes reachable from the controller's machine with no
 extra tunnel. Stopping the forwarder actor closes every forward it made.
 
 Each relayed connection is two one-way pumps. A pump reads its socket and
-sends ``("data", bytes)`` messages to the other side's port, then ``("eof",)``;
-the receiving side writes the data and half-closes on eof. Every blocking wait
+sends ``("data", bytes)`` messages to the other side's port, then ``("eof",)``
+(or ``("reset",)`` when its socket was reset); the receiving side writes the
+data and half-closes on eof, or resets its own socket on reset. Every blocking wait
 is bounded (socket timeouts, ``recv().get(timeout)``) and re-checks whether
 the forward was closed, so cleanup never waits on a peer.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -78,7 +80,9 @@ class _Relay:
             s.close()
 
     def pump_out(self, sock: socket.socket, to: Port[Any]) -> None:
-        """Socket -> port, until eof, error or close."""
+        """Socket -> port, until eof, error or close. A reset (an error reading)
+        travels as ``("reset",)`` so the far side resets its socket too."""
+        end: tuple[str, ...] = ("eof",)
         try:
             while not self.closed.is_set():
                 readable, _, _ = select.select([sock], [], [], _POLL_S)
@@ -88,12 +92,13 @@ class _Relay:
                 if not data:
                     break
                 to.send(("data", data))
-        except (OSError, ValueError):  # closed under us
-            pass
-        to.send(("eof",))
+        except (OSError, ValueError):  # reset by the peer, or closed under us
+            end = ("reset",)
+        to.send(end)
 
-    def pump_in(self, sock: socket.socket, receiver: Any) -> None:
-        """Port -> socket, until eof or close; then half-close the socket (or close it when both halves are done)."""
+    def pump_in(self, sock: socket.socket, receiver: Any, to: Port[Any]) -> None:
+        """Port -> socket, until eof, reset or close; then half-close the socket on
+        eof, or reset it (and tell the far side) when either end was reset."""
         pending = None  # a recv() that timed out still takes the next value: keep waiting on the same one
         try:
             while not self.closed.is_set():
@@ -103,10 +108,18 @@ class _Relay:
                 except TimeoutError:
                     continue
                 pending = None
-                if message[0] != "data":
+                if message[0] == "reset":
+                    _reset(sock)
                     break
-                sock.sendall(message[1])
-            sock.shutdown(socket.SHUT_WR)
+                if message[0] != "data":
+                    sock.shutdown(socket.SHUT_WR)
+                    break
+                try:
+                    sock.sendall(message[1])
+                except OSError:
+                    to.send(("reset",))  # our end was reset: so is the far one
+                    _reset(sock)
+                    break
         except OSError:
             pass
         finally:
@@ -115,7 +128,7 @@ class _Relay:
     def relay(self, sock: socket.socket, to: Port[Any], receiver: Any) -> None:
         """Run both pumps for one connection on threads; the socket closes when both end."""
         threads = [threading.Thread(target=self.pump_out, args=(sock, to), daemon=True),
-                   threading.Thread(target=self.pump_in, args=(sock, receiver), daemon=True)]
+                   threading.Thread(target=self.pump_in, args=(sock, receiver, to), daemon=True)]
         for t in threads:
             t.start()
 
@@ -128,6 +141,15 @@ class _Relay:
             sock.close()
 
         threading.Thread(target=reap, daemon=True).start()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Abort a TCP connection (RST, not FIN), waking our own reader of it."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _Destination(Actor):
@@ -168,7 +190,9 @@ class _Source(Actor):
         point = context().message_rank
         host, port = _parse_address(src_address(point) if callable(src_address) else src_address)
         peer = destination.slice(**dict(point)) if len(point.extent) else destination
-        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # reuse_port: the procs of one host may share a source address (the kernel spreads connections).
+        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                        reuse_port=hasattr(socket, "SO_REUSEPORT"))
         listener.settimeout(_POLL_S)
         self.listener = listener
         self.acceptor = threading.Thread(target=self._accept, args=(listener, peer), name="actormesh-port-forward", daemon=True)
