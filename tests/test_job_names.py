@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from actormesh.actor import HostMesh, this_host, this_proc
 from actormesh.errors import ActorError
@@ -155,9 +158,16 @@ def test_port_forward_per_point_addresses_and_bad_input(spawn_procs: Any) -> Non
             forwarder.forward.call_one(procs, 0, procs, "127.0.0.1:1").get(timeout=60)
         with pytest.raises(ActorError, match="'host:port'"):
             forwarder.forward.call_one(procs, dst, procs, "nowhere").get(timeout=60)
-        # a source address already in use: the forward fails and what it started is stopped
-        with pytest.raises(ActorError):
-            forwarder.forward.call_one(procs, dst, procs, f"127.0.0.1:{ports[0]}").get(timeout=60)
+        # a source address another program holds: the forward fails and what it started is stopped
+        # (forwards share an address with each other, as Monarch's do: SO_REUSEPORT)
+        blocker = socket.socket()
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        try:
+            with pytest.raises(ActorError, match="Address already in use"):
+                forwarder.forward.call_one(procs, dst, procs, f"127.0.0.1:{blocker.getsockname()[1]}").get(timeout=60)
+        finally:
+            blocker.close()
     finally:
         forwarder.stop().get(timeout=60)
         server.close()
@@ -249,10 +259,10 @@ def test_shell_runs_a_remote_interactive_shell_and_returns_its_status(tmp_path: 
 def test_shell_checks_its_arguments() -> None:
     from actormesh.job import ProcessJob, shell
 
-    with pytest.raises(TypeError, match="HostMesh with one host"):
+    with pytest.raises(TypeError, match="singleton HostMesh"):
         shell("host")  # type: ignore[arg-type]
     two = HostMesh(agents=["tcp:127.0.0.1:1", "tcp:127.0.0.1:2"])
-    with pytest.raises(ValueError, match="needs a single host"):
+    with pytest.raises(ValueError, match="singleton HostMesh"):
         shell(two)
     assert ProcessJob  # the CLI below uses jobs
 
@@ -274,3 +284,33 @@ def test_actormesh_shell_console_entry_uses_the_current_job(project: Path) -> No
 
     scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["actormesh"] == "actormesh.job._cli:main"
+
+
+_SHELL_EOF = """
+import sys, time
+from actormesh.actor import HostMesh
+from actormesh.job import shell
+start = time.monotonic()
+status = shell(HostMesh(), env={"SHELL": "/bin/sh"})
+print("status", status, "took", round(time.monotonic() - start, 1), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_shell_input_ending_hangs_up_a_foreground_command(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen([sys.executable, "-c", _SHELL_EOF, str(pid_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(f"sh -c {shlex.quote(f'echo $$ > {shlex.quote(str(pid_file))}; exec sleep 60')}\n")
+        proc.stdin.flush()
+        wait_for(pid_file.exists, timeout=60)
+        proc.stdin.close()  # end of input while `sleep 60` runs in the foreground
+        proc.wait(timeout=60)
+        out = proc.stdout.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    status, took = re.search(r"status (-?\d+) took ([\d.]+)", out).groups()  # type: ignore[union-attr]
+    assert int(status) != 0 and float(took) < 40  # hung up, not left to finish its 60 s

@@ -79,12 +79,12 @@ class _Relay:
                 pass
             s.close()
 
-    def pump_out(self, sock: socket.socket, to: Port[Any]) -> None:
+    def pump_out(self, sock: socket.socket, to: Port[Any], reset: threading.Event, out_done: threading.Event) -> None:
         """Socket -> port, until eof, error or close. A reset (an error reading)
         travels as ``("reset",)`` so the far side resets its socket too."""
         end: tuple[str, ...] = ("eof",)
         try:
-            while not self.closed.is_set():
+            while not self.closed.is_set() and not reset.is_set():
                 readable, _, _ = select.select([sock], [], [], _POLL_S)
                 if not readable:
                     continue
@@ -95,13 +95,16 @@ class _Relay:
         except (OSError, ValueError):  # reset by the peer, or closed under us
             end = ("reset",)
         to.send(end)
+        out_done.set()
 
-    def pump_in(self, sock: socket.socket, receiver: Any, to: Port[Any]) -> None:
-        """Port -> socket, until eof, reset or close; then half-close the socket on
-        eof, or reset it (and tell the far side) when either end was reset."""
+    def pump_in(self, sock: socket.socket, receiver: Any, to: Port[Any], reset: threading.Event, out_done: threading.Event) -> None:
+        """Port -> socket, until reset or close, or eof once the other direction ended
+        too: eof half-closes the socket; a reset (either end's) resets it and
+        tells the far side. After eof it still listens for a reset."""
         pending = None  # a recv() that timed out still takes the next value: keep waiting on the same one
+        half_closed = False
         try:
-            while not self.closed.is_set():
+            while not self.closed.is_set() and not (half_closed and out_done.is_set()):
                 pending = pending or receiver.recv()
                 try:
                     message = pending.get(timeout=_POLL_S)
@@ -109,15 +112,19 @@ class _Relay:
                     continue
                 pending = None
                 if message[0] == "reset":
+                    reset.set()  # our reader stops too (a peer still sending would keep it busy)
                     _reset(sock)
                     break
                 if message[0] != "data":
-                    sock.shutdown(socket.SHUT_WR)
-                    break
+                    if not half_closed:
+                        half_closed = True
+                        sock.shutdown(socket.SHUT_WR)
+                    continue
                 try:
                     sock.sendall(message[1])
                 except OSError:
                     to.send(("reset",))  # our end was reset: so is the far one
+                    reset.set()
                     _reset(sock)
                     break
         except OSError:
@@ -127,8 +134,9 @@ class _Relay:
 
     def relay(self, sock: socket.socket, to: Port[Any], receiver: Any) -> None:
         """Run both pumps for one connection on threads; the socket closes when both end."""
-        threads = [threading.Thread(target=self.pump_out, args=(sock, to), daemon=True),
-                   threading.Thread(target=self.pump_in, args=(sock, receiver, to), daemon=True)]
+        reset, out_done = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=self.pump_out, args=(sock, to, reset, out_done), daemon=True),
+                   threading.Thread(target=self.pump_in, args=(sock, receiver, to, reset, out_done), daemon=True)]
         for t in threads:
             t.start()
 
@@ -144,7 +152,7 @@ class _Relay:
 
 
 def _reset(sock: socket.socket) -> None:
-    """Abort a TCP connection (RST, not FIN), waking our own reader of it."""
+    """Abort a TCP connection: linger 0 makes the reaper's close() send RST, not FIN."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.shutdown(socket.SHUT_RDWR)

@@ -7,6 +7,7 @@ mode (restored on exit) and window-size changes are passed on; a piped stdin
 works too (scripts, tests). ``shell`` returns the remote shell's exit status.
 
 Messages: to the host ``("data", bytes)``, ``("winsize", (rows, cols))``,
+``("eof",)`` (stdin ended: the shell gets ^D, a foreground job SIGHUP),
 ``("close",)``; to the controller ``("data", bytes)`` and a final
 ``("exit", status)``. Every wait polls with a bounded timeout and re-checks
 whether the session ended.
@@ -29,6 +30,15 @@ __all__ = ["shell"]
 
 _POLL_S = 0.2
 _CHUNK = 64 * 1024
+_EOF_GRACE_S = 1.0  # after stdin ends, the shell's own commands get this long before a hangup
+
+
+def _has_children(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return True  # cannot tell (no /proc): treat as busy, so the hangup still comes
 
 
 def _set_winsize(fd: int, rows: int, cols: int) -> None:
@@ -117,6 +127,8 @@ class _Shell(Actor):
                 elif message[0] == "winsize":
                     _set_winsize(self.master, *message[1])
                     self.child.send_signal(signal.SIGWINCH)
+                elif message[0] == "eof":
+                    self._end_of_input()
                 else:
                     self.child.send_signal(signal.SIGHUP)  # the client went away
                     break
@@ -124,6 +136,40 @@ class _Shell(Actor):
             pass
         finally:
             receiver.close()
+
+    def _end_of_input(self) -> None:
+        """The client's input ended: the shell reads end-of-file (^D) after what it
+        runs now, and a foreground job gets a hangup, as when a terminal closes."""
+        assert self.master is not None and self.child is not None
+        os.write(self.master, b"\x04")
+        threading.Thread(target=self._hang_up_foreground, daemon=True).start()
+
+    def _hang_up_foreground(self) -> None:
+        """Once input has ended: hang up a job in the foreground (with job control),
+        or the shell's group when a command of the shell still runs after a short
+        grace; and whenever the shell is idle, give it ^D again (an end-of-file
+        typed while a command ran is lost when the shell takes the terminal back)."""
+        assert self.master is not None and self.child is not None
+        waited = 0.0
+        while not self.done.wait(_POLL_S) and self.child.poll() is None:
+            waited += _POLL_S
+            try:
+                group = os.tcgetpgrp(self.master)
+            except OSError:
+                return
+            if group == os.getpgrp():
+                continue
+            busy = _has_children(self.child.pid)
+            if group != self.child.pid or (busy and waited >= _EOF_GRACE_S):
+                try:
+                    os.killpg(group, signal.SIGHUP)
+                except OSError:
+                    pass
+            elif not busy:
+                try:
+                    os.write(self.master, b"\x04")
+                except OSError:
+                    return
 
     def __cleanup__(self, exc: Exception | None) -> None:
         self.done.set()
@@ -147,15 +193,20 @@ def _terminal_size() -> tuple[int, int] | None:
 
 
 def _pump_stdin(to_shell: Port[Any], finished: threading.Event) -> None:
-    fd = sys.stdin.fileno()
-    while not finished.is_set():
-        readable, _, _ = select.select([fd], [], [], _POLL_S)
-        if not readable:
-            continue
-        data = os.read(fd, _CHUNK)
-        if not data:
-            break  # piped input ended: the shell sees the rest of the session's input end with it
-        to_shell.send(("data", data))
+    try:
+        fd = sys.stdin.fileno()
+        while not finished.is_set():
+            readable, _, _ = select.select([fd], [], [], _POLL_S)
+            if not readable:
+                continue
+            data = os.read(fd, _CHUNK)
+            if not data:
+                break
+            to_shell.send(("data", data))
+    except (OSError, ValueError):  # stdin was closed under us: that is its end too
+        pass
+    if not finished.is_set():
+        to_shell.send(("eof",))  # input ended: the shell gets end-of-file, its foreground job a hangup
 
 
 def shell(host_mesh_singleton: HostMesh, *, env: dict[str, str] | None = None, workdir: str | None = None) -> int:
@@ -167,10 +218,13 @@ def shell(host_mesh_singleton: HostMesh, *, env: dict[str, str] | None = None, w
         from actormesh.job import shell
         shell(job.state().trainers.slice(hosts=0))
     """
+    size = getattr(host_mesh_singleton, "size", None)
+    if not callable(size):
+        raise TypeError(f"shell() needs a singleton HostMesh (one host), got {host_mesh_singleton!r}")
+    if size() != 1:
+        raise ValueError(f"shell() needs a singleton HostMesh (one host); slice the mesh first, e.g. mesh.slice(hosts=0) (it has {size()})")
     if not isinstance(host_mesh_singleton, HostMesh):
-        raise TypeError(f"shell() needs a HostMesh with one host, got {host_mesh_singleton!r}")
-    if host_mesh_singleton.size() != 1:
-        raise ValueError(f"shell() needs a single host; slice the mesh first, e.g. mesh.slice(hosts=0) (it has {host_mesh_singleton.size()})")
+        raise TypeError(f"shell() needs a singleton HostMesh (one host), got {host_mesh_singleton!r}")
     if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()):
         raise TypeError(f"env must be a dict of str to str, got {env!r}")
     procs = host_mesh_singleton.spawn_procs(name="shell")
@@ -190,7 +244,7 @@ def _session(to_shell: Port[Any], receiver: Any, remote: Any) -> int:
     if restore is not None and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGWINCH, lambda *_: (size := _terminal_size()) and to_shell.send(("winsize", size)))
     threading.Thread(target=_pump_stdin, args=(to_shell, finished), daemon=True).start()
-    out = sys.stdout.buffer
+    write = _terminal_writer()
     quiet = 0
     pending = None  # a recv() that timed out still takes the next value: keep waiting on the same one
     try:
@@ -206,8 +260,7 @@ def _session(to_shell: Port[Any], receiver: Any, remote: Any) -> int:
             pending, quiet = None, 0
             if message[0] == "exit":
                 return int(message[1])
-            out.write(message[1])
-            out.flush()
+            write(message[1])
     finally:
         finished.set()
         to_shell.send(("close",))
@@ -216,6 +269,24 @@ def _session(to_shell: Port[Any], receiver: Any, remote: Any) -> int:
             signal.signal(signal.SIGWINCH, previous)
         if restore is not None:
             restore()
+
+
+def _terminal_writer() -> Any:
+    """Write straight to stdout's descriptor: nothing stays buffered to fail again at exit
+    (a closed terminal raises BrokenPipeError once, here)."""
+    try:
+        sys.stdout.flush()
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        out = sys.stdout.buffer
+        return lambda data: (out.write(data), out.flush())
+
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+    return write
 
 
 def _raw_mode() -> Any:
