@@ -40,6 +40,7 @@ def test_get_runtime_config_is_what_configure_set() -> None:
     ("monarch", "value", "ours", "expected"),
     [
         ("stop_actor_timeout", "5s", "stop_timeout", 5.0),
+        ("mesh_terminate_timeout", "15s", "stop_timeout", 15.0),
         ("mesh_proc_spawn_max_idle", "1m", "proc_spawn_timeout", 60.0),
         ("server_heartbeat_interval", "250ms", "heartbeat_interval", 0.25),
         ("message_delivery_timeout", "1h 30m", "message_delivery_timeout", 5400.0),

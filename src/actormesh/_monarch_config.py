@@ -55,6 +55,9 @@ MONARCH_KEYS: dict[str, str] = {
     "message_delivery_timeout": "message_delivery_timeout",
     "mesh_proc_spawn_max_idle": "proc_spawn_timeout",
     "stop_actor_timeout": "stop_timeout",
+    # Monarch bounds an actor's stop and its proc's termination separately; actormesh's
+    # stop_timeout bounds both (a proc is killed once it passes), so both keys set it.
+    "mesh_terminate_timeout": "stop_timeout",
     "cleanup_timeout": "cleanup_timeout",
     "max_cast_fanout": "max_cast_fanout",
     "server_heartbeat_interval": "heartbeat_interval",
@@ -79,7 +82,7 @@ _MONARCH_ONLY = frozenset(
     max_cast_dimension_size mesh_admin_addr mesh_admin_config_dump_bridge_timeout mesh_admin_max_concurrent_resolves
     mesh_admin_pyspy_bridge_timeout mesh_admin_pyspy_client_timeout mesh_admin_pyspy_max_profile_duration mesh_admin_pyspy_timeout
     mesh_admin_query_child_timeout mesh_admin_resolve_actor_timeout mesh_admin_single_host_timeout mesh_admin_tree_timeout
-    mesh_attach_config_timeout mesh_bootstrap_enable_pdeathsig mesh_orphan_timeout mesh_terminate_concurrency mesh_terminate_timeout
+    mesh_attach_config_timeout mesh_bootstrap_enable_pdeathsig mesh_orphan_timeout mesh_terminate_concurrency
     message_ack_every_n_messages message_ack_time_interval message_latency_sampling_rate message_ttl_default monarch_log_suffix
     otel_metric_export_interval pending_actor_delivery_timeout prefix_with_rank proc_launcher_kind proc_stop_max_idle
     process_exit_timeout process_memory_metric_interval pyspy_bin rdma_cq_poller_per_device
