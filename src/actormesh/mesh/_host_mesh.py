@@ -124,8 +124,9 @@ class HostMesh(MeshTrait):
         else:
             pm = self._spawn_local(rt, shape, base, bootstrap, owner, commands)
         with self._state.lock:
-            live = [m for m in self._state.proc_meshes if m._state is None or m._state.stopped is None]
+            live = [m for m in self._state.proc_meshes if _running(m)]
             self._state.proc_meshes = [*live, pm]
+        me._children = [*(m for m in me._children or () if _running(m)), pm]
         return pm
 
     def _spawn_local(self, rt: Any, shape: Shape, base: str, bootstrap: Callable[[], Any] | None, owner: str, commands: Any) -> ProcMesh:
@@ -217,6 +218,10 @@ class HostMesh(MeshTrait):
 
     def __repr__(self) -> str:
         return f"<HostMesh {self._shape.extent}>"
+
+
+def _running(pm: ProcMesh) -> bool:
+    return pm._state is None or pm._state.stopped is None
 
 
 def _reference(shape: Shape, agents: list[str] | None, python: str | None) -> HostMesh:

@@ -17,7 +17,7 @@ Example::
 
 from ._action import RDMAAction
 from ._backends import Backend, BufferHandle, register_backend
-from ._buffer import RDMABuffer, get_rdma_backend, is_ibverbs_available, is_rdma_available
+from ._buffer import RDMABuffer, get_rdma_backend, is_ibverbs_available, is_rdma_available, same_host_backend
 from ._errors import (
     BufferDroppedError,
     OwnerGoneError,
@@ -32,6 +32,7 @@ __all__ = [
     "RDMABuffer",
     "RDMAAction",
     "get_rdma_backend",
+    "same_host_backend",
     "is_rdma_available",
     "is_ibverbs_available",
     "RDMAError",

@@ -23,7 +23,9 @@ class RDMAAction:
 
     Example::
 
-        RDMAAction().read_into(buf_a, local_a).write_from(buf_b, local_b).submit().get()
+        RDMAAction().read_remote(local_a, buf_a).write_remote(buf_b, local_b).submit().get()
+
+    ``read_into(src, dst)`` / ``write_from(src, dst)`` are the earlier spellings of the same.
     """
 
     def __init__(self) -> None:
@@ -34,7 +36,8 @@ class RDMAAction:
         region = region_of(local, role=role, allow_empty=(op == "read"))
         start, end = region.address, region.address + region.nbytes
         for s, e, other in self._ranges:
-            if start < e and s < end and (op == "write" or other == "write"):
+            # A read writes its local memory; a write only reads it: two writes may share a source.
+            if start < e and s < end and (op == "read" or other == "read"):
                 raise ValueError(f"the local memory of this {op} overlaps a {other} already in the batch")
         self._ranges.append((start, end, op))
         return region.nbytes
@@ -56,6 +59,14 @@ class RDMAAction:
             raise ValueError(f"the local memory is larger than the RDMA buffer of {src.size()} bytes")
         self._ops.append(("write", src, dst))
         return self
+
+    def read_remote(self, dst: Any, src: RDMABuffer) -> RDMAAction:
+        """Monarch 0.7.0's name: queue a read of the RDMA buffer ``src`` into local memory ``dst``."""
+        return self.read_into(src, dst)
+
+    def write_remote(self, dst: RDMABuffer, src: Any) -> RDMAAction:
+        """Monarch 0.7.0's name: queue a write of local memory ``src`` into the RDMA buffer ``dst``."""
+        return self.write_from(dst, src)
 
     def fetch_add(self, src: RDMABuffer, dst: Any, add: int) -> RDMAAction:
         """Atomic fetch-and-add: not supported by any backend yet."""

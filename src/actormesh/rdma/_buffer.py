@@ -36,7 +36,7 @@ from ._registry import registry
 from ._server import ensure_server
 from ._vm import vm_supported
 
-__all__ = ["RDMABuffer", "get_rdma_backend", "is_rdma_available", "is_ibverbs_available", "submit"]
+__all__ = ["RDMABuffer", "get_rdma_backend", "same_host_backend", "is_rdma_available", "is_ibverbs_available", "submit"]
 
 
 #: Transfers up to this size over ``local``/``vm`` run in the caller's thread (see ``_start``).
@@ -304,10 +304,18 @@ class RDMABuffer:
 
 
 def get_rdma_backend() -> str:
-    """The backend a same-host transfer uses now: "vm", "shm" or "tcp" (forced).
+    """Monarch's answer to "which RDMA backend": ``"ibverbs"``, ``"tcp"`` or ``"none"``.
 
-    Across hosts transfers use "tcp". ``ACTORMESH_RDMA_BACKEND`` overrides it.
+    actormesh has no ibverbs backend, so this is always ``"tcp"``: Monarch's name
+    for moving buffers without RDMA hardware. Which of actormesh's own paths a
+    same-host transfer takes is :func:`same_host_backend`.
     """
+    return "tcp"
+
+
+def same_host_backend() -> str:
+    """The path a same-host transfer uses now: "vm" (process_vm_readv/writev), "shm",
+    or the one forced with ``ACTORMESH_RDMA_BACKEND``. Across hosts it is "tcp"."""
     forced = forced_backend()
     if forced != "auto":
         return forced

@@ -248,6 +248,9 @@ class Instance:
         self._cell = cell
         self.creator = creator
         self._proc_mesh: Any = None
+        # The proc meshes this actor (or the client) spawned and has not seen stop,
+        # newest last; Monarch's test helpers read and prune it (``_children``).
+        self._children: list[Any] | None = None
 
     @property
     def actor_id(self) -> str:
