@@ -131,7 +131,7 @@ class ActorMeshModelParallelStrategy(MeshStrategyMixin, ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _apply_plan(self) -> None:
-        from ..parallel._apply import parallelize_chunk, world_mesh
+        from ..parallel import parallelize_chunk, world_mesh
 
         module = self.lightning_module
         assert module is not None

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..mesh import Point, ProcMesh
 from ..runtime import Actor, Channel, Port, context, endpoint
+from ._inbox import Inbox
 
 __all__ = ["PortForwarder"]
 
@@ -101,16 +102,13 @@ class _Relay:
         """Port -> socket, until reset or close, or eof once the other direction ended
         too: eof half-closes the socket; a reset (either end's) resets it and
         tells the far side. After eof it still listens for a reset."""
-        pending = None  # a recv() that timed out still takes the next value: keep waiting on the same one
+        inbox = Inbox(receiver)
         half_closed = False
         try:
             while not self.closed.is_set() and not (half_closed and out_done.is_set()):
-                pending = pending or receiver.recv()
-                try:
-                    message = pending.get(timeout=_POLL_S)
-                except TimeoutError:
+                message = inbox.next(_POLL_S)
+                if message is None:
                     continue
-                pending = None
                 if message[0] == "reset":
                     reset.set()  # our reader stops too (a peer still sending would keep it busy)
                     _reset(sock)

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..mesh import HostMesh
 from ..runtime import Actor, Channel, Port, endpoint
+from ._inbox import Inbox
 
 __all__ = ["shell"]
 
@@ -113,15 +114,12 @@ class _Shell(Actor):
 
     def _input(self, receiver: Any) -> None:
         assert self.master is not None and self.child is not None
-        pending = None  # a recv() that timed out still takes the next value: keep waiting on the same one
+        inbox = Inbox(receiver)
         try:
             while not self.done.is_set():
-                pending = pending or receiver.recv()
-                try:
-                    message = pending.get(timeout=_POLL_S)
-                except TimeoutError:
+                message = inbox.next(_POLL_S)
+                if message is None:
                     continue
-                pending = None
                 if message[0] == "data":
                     os.write(self.master, message[1])
                 elif message[0] == "winsize":
@@ -246,18 +244,16 @@ def _session(to_shell: Port[Any], receiver: Any, remote: Any) -> int:
     threading.Thread(target=_pump_stdin, args=(to_shell, finished), daemon=True).start()
     write = _terminal_writer()
     quiet = 0
-    pending = None  # a recv() that timed out still takes the next value: keep waiting on the same one
+    inbox = Inbox(receiver)
     try:
         while True:
-            pending = pending or receiver.recv()
-            try:
-                message = pending.get(timeout=_POLL_S)
-            except TimeoutError:
+            message = inbox.next(_POLL_S)
+            if message is None:
                 quiet += 1
                 if quiet % 25 == 0:  # every ~5 s of silence: is the shell's proc still there? (raises if not)
                     remote.alive.call_one().get(timeout=30)
                 continue
-            pending, quiet = None, 0
+            quiet = 0
             if message[0] == "exit":
                 return int(message[1])
             write(message[1])

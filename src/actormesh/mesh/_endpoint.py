@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..errors import SupervisionError
 from ..config import get_config
-from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, mark_if_self_call, messages as M, pick_random
-from ..runtime._cast import split
+from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, mark_if_self_call, messages as M, pick_random, split
 from ..transport import dumps
 from ._shape import Shape
 from ._value_mesh import ValueMesh
@@ -114,7 +113,7 @@ class Endpoint(Generic[R]):
         if self._use_tree():
             port = GatherPort(rt, self._what, [], build, self._describe, expected=len(shape))
             port.await_addresses(self._tree(payload, (rt.address, port.port_id)))
-            mark_if_self_call(port.future, self._mesh._mesh_name, self._targets(), self._what)
+            mark_if_self_call(port.future, self._mesh._mesh_name, self._targets, self._what)  # listed only for a self-call
             return port.future
         targets = self._targets()
         port = GatherPort(rt, self._what, targets, build, self._describe)

@@ -193,7 +193,7 @@ def serve_agent(address: str, secret: bytes, controller: str | None = None, name
     ``tls`` (a ``JobTLS``), its TCP channels and its procs' use mutual TLS.
     """
     from ..runtime import ProcRuntime
-    from ..runtime._context import set_runtime
+    from ..runtime import set_runtime
 
     transport = "unix" if address.startswith("unix:") else "tcp"
     rt = ProcRuntime(secret=secret, name=name or f"host-{socket.gethostname()}", listen_address=address, transport=transport, tls=tls)

@@ -25,6 +25,7 @@ Example::
 Importing this package does not import torch (``actormesh.parallel.models`` does).
 """
 
+from ._apply import parallelize_chunk, world_mesh
 from ._auto import AutoPlan, auto_plan
 from ._partition import LayerCost, partition
 from ._pipeline import check_stages, equal_stages
@@ -34,6 +35,8 @@ from ._trainer import Trainer, gather_state_dict, spawn_trainer
 
 __all__ = [
     "AutoPlan",
+    "parallelize_chunk",
+    "world_mesh",
     "COLWISE_NAMES",
     "LayerCost",
     "MESH_DIMS",

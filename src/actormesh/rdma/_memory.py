@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..transport._shm import buffer_address
+from ..transport import buffer_address
 
 __all__ = ["Region", "region_of", "view_at", "memmove", "host_id", "proc_start_time"]
 

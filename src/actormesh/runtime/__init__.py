@@ -16,7 +16,8 @@ from ._actor import (
     endpoints_of,
 )
 from ._channel import Channel, Port, PortReceiver
-from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, shutdown_context
+from ._cast import split
+from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, set_runtime, shutdown_context
 from ._future import Future
 from ._ids import ChannelTransport, ProcId, Uid
 from ._returns_future import returns_future
@@ -46,6 +47,8 @@ __all__ = [
     "current_actor_name",
     "current_runtime",
     "runtime_started",
+    "set_runtime",
+    "split",
     "enable_transport",
     "shutdown_context",
     "Future",

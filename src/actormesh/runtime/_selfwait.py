@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._actor import _context
@@ -21,17 +21,22 @@ from ._actor import _context
 __all__ = ["mark_if_self_call"]
 
 
-def mark_if_self_call(future: Any, actor_name: str, addresses: Iterable[str], what: str) -> None:
+def mark_if_self_call(future: Any, actor_name: str, addresses: Iterable[str] | Callable[[], Iterable[str]], what: str) -> None:
     """Mark ``future`` if the current actor is among the targets of call ``what``.
 
-    ``addresses`` are the procs that received the call, for actor ``actor_name``.
+    ``addresses`` are the procs that received the call, for actor ``actor_name``
+    (or a function listing them, called only when the caller is that actor).
     Cheap when the caller is the client or another actor (one context lookup).
     """
     ctx = _context.get()
     if ctx is None:
         return
     cell = ctx.actor_instance._cell
-    if cell is None or cell.name != actor_name or cell.runtime.address not in addresses:
+    if cell is None or cell.name != actor_name:
+        return
+    if callable(addresses):
+        addresses = addresses()
+    if cell.runtime.address not in addresses:
         return
     future._wedge = lambda how: _verdict(cell, what, how)
 
