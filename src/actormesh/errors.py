@@ -30,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "ActorError",
+    "RemoteException",
     "SupervisionError",
     "MeshStoppedError",
     "PortClosedError",
@@ -87,6 +88,31 @@ class PortClosedError(RuntimeError):
 
     Nothing more will arrive on that port: open a new ``Channel`` to go on.
     """
+
+
+class RemoteException(Exception):
+    """A tensor-engine command (an op or a remote function) failed on a worker.
+
+    Raised where its result is fetched, not where it was issued: ``rank`` is the
+    proc, ``worker_traceback`` the worker's traceback, ``issued_at`` the
+    controller line that issued the failing command. The worker keeps serving;
+    tensors that do not depend on the failed one are unaffected.
+    """
+
+    def __init__(self, rank: int, message: str, worker_traceback: str = "", issued_at: str = "") -> None:
+        self.rank = rank
+        self.message = message
+        self.worker_traceback = worker_traceback
+        self.issued_at = issued_at
+        text = f"A remote function has failed asynchronously on rank {rank}: {message}"
+        if issued_at:
+            text += f"\n Issued by the controller at: {issued_at}"
+        if worker_traceback:
+            text += f"\n Traceback on the worker (most recent call last):\n{worker_traceback}"
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RemoteException, (self.rank, self.message, self.worker_traceback, self.issued_at))
 
 
 class ActorError(Exception):

@@ -20,6 +20,7 @@ from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, mark_if_sel
 from ..transport import dumps
 from ._shape import Shape
 from ._value_mesh import ValueMesh
+from ._views import _cast_hooks, run_cast_hooks
 
 if TYPE_CHECKING:
     from ._actor_mesh import ActorMesh
@@ -51,6 +52,8 @@ class Endpoint(Generic[R]):
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         self._prop.bind_check(args, kwargs)
+        if _cast_hooks:
+            run_cast_hooks(self._mesh)
         if not args and not kwargs:
             return _NO_ARGS  # immutable bytes: safe to share between messages
         return dumps((args, kwargs))

@@ -36,6 +36,7 @@ from ._actor_mesh import RESERVED_NAMES, ActorMesh, member_display
 from ._host_agent import EventPort, agent_mesh
 from ._logs import sink
 from ._shape import Extent, MeshTrait, Shape
+from ._tensor_methods import TensorMethods
 
 __all__ = ["ProcMesh", "this_proc", "proc_mesh_for", "release_hosts"]
 
@@ -76,7 +77,7 @@ class _ProcMeshState:
         return child.address
 
 
-class ProcMesh(MeshTrait):
+class ProcMesh(MeshTrait, TensorMethods):
     """Processes, one per point; spawn actors on them with :meth:`spawn`."""
 
     def __init__(self, addresses: list[str], shape: Shape, name: str, state: _ProcMeshState | None = None) -> None:

@@ -72,6 +72,23 @@ class Future(Generic[R]):
         fut._set(_ERROR, exc)
         return fut
 
+    @classmethod
+    def completed(cls, value: Any) -> Future[Any]:
+        """A future that already holds ``value`` (for layers above the runtime)."""
+        return cls._completed(value)
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> Future[Any]:
+        """A future that already holds the error ``exc``."""
+        return cls._failed(exc)
+
+    def then(self, fn: Callable[[R], Any]) -> Future[Any]:
+        """A future of ``fn(value)``: ``fn`` runs once, lazily, in the first waiter's
+        thread; an error of this future (or raised by ``fn``) is the new one's."""
+        out: Future[Any] = Future._create()
+        self._add_done_callback(lambda f: out._set_thunk(lambda: fn(f._outcome())))
+        return out
+
     # -- completion (runtime side, any thread) -------------------------------------------
     def _set(self, state: int, result: Any) -> bool:
         with _guard:

@@ -1,0 +1,13 @@
+"""Tensor engine: torch code on the controller runs on every proc of a mesh.
+
+``with procs.activate():`` records each torch op as a command for the mesh and
+returns a distributed :class:`Tensor` at once; ``fetch_shard``/``inspect``
+bring a shard back. This is the only layer that imports torch.
+"""
+
+from ._activate import activate, get_active_mesh, no_mesh
+from ._fetch import fetch_shard, inspect, show
+from ._ranks import rank_tensor
+from ._tensor import Tensor
+
+__all__ = ["activate", "get_active_mesh", "no_mesh", "fetch_shard", "inspect", "show", "rank_tensor", "Tensor"]
