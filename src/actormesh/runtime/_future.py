@@ -82,11 +82,20 @@ class Future(Generic[R]):
         """A future that already holds the error ``exc``."""
         return cls._failed(exc)
 
-    def then(self, fn: Callable[[R], Any]) -> Future[Any]:
+    def then(self, fn: Callable[[R], Any], within: Callable[[], Any] | None = None) -> Future[Any]:
         """A future of ``fn(value)``: ``fn`` runs once, lazily, in the first waiter's
-        thread; an error of this future (or raised by ``fn``) is the new one's."""
+        thread; an error of this future (or raised by ``fn``) is the new one's.
+        ``within()``, if given, is a context manager both the reply's decoding
+        and ``fn`` run in."""
         out: Future[Any] = Future._create()
-        self._add_done_callback(lambda f: out._set_thunk(lambda: fn(f._outcome())))
+
+        def thunk(f: Future[R]) -> Any:
+            if within is None:
+                return fn(f._outcome())
+            with within():
+                return fn(f._outcome())
+
+        self._add_done_callback(lambda f: out._set_thunk(lambda: thunk(f)))
         return out
 
     # -- completion (runtime side, any thread) -------------------------------------------

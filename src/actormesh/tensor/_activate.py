@@ -36,6 +36,17 @@ class _EngineMode(TorchDispatchMode):
         return dispatch(func, args, kwargs or {}, view)
 
 
+def _mode_dispatch(self: _EngineMode, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    view = self.view
+    if view is None:
+        return func(*args, **(kwargs or {}))
+    return dispatch(func, args, kwargs or {}, view)
+
+
+# TorchDispatchMode wraps subclasses' __torch_dispatch__ to keep dynamo out (~8 us
+# per op); this one never runs under torch.compile, so it takes the plain function.
+_EngineMode.__torch_dispatch__ = _mode_dispatch  # type: ignore[method-assign]
+
 _real_seed = torch.manual_seed
 
 

@@ -116,13 +116,21 @@ class EngineClient:
         """The shards ``refs`` of the proc at ``index`` of ``view``, as local CPU tensors."""
         self.flush()
         rank = view.shape.rank_at(index)
-        return self.member(rank).fetch.call_one(refs).then(lambda values: [raise_failed(v) for v in values])
+        return self.member(rank).fetch.call_one(refs).then(lambda values: [raise_failed(v) for v in values], local_torch)
 
     def value_on(self, view: View, index: int, op: str, args: Any, kwargs: Any) -> Any:
         """Run a data-dependent op (``.item()``) on one proc and return its plain result."""
         self.flush()
         rank = view.shape.rank_at(index)
-        return raise_failed(self.member(rank).value.call_one(op, args, kwargs).get())
+        fut = self.member(rank).value.call_one(op, args, kwargs).then(raise_failed, local_torch)
+        return fut.get()
+
+
+def local_torch() -> Any:
+    """Torch runs locally inside (decoding fetched shards inside an active mesh)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def raise_failed(value: Any) -> Any:

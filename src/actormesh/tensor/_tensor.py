@@ -131,16 +131,27 @@ def is_lift(func: Any) -> bool:
     return func in _LIFT
 
 
+_internal_file: dict[str, bool] = {}
 def _where() -> tuple[str, int] | None:
-    """The first caller frame outside torch and actormesh: the line that issued the op."""
-    f = sys._getframe(1)
-    for _ in range(60):
-        if f is None:
+    """The first caller frame outside torch and actormesh: the line that issued the op.
+
+    Probes ``sys._getframe(depth)`` rather than walking ``f_back``: on 3.11 that
+    builds a frame object only for the probed frame, not for each one between.
+    """
+    internal = _internal_file
+    getframe = sys._getframe
+    for depth in range(2, 60):
+        try:
+            f = getframe(depth)
+        except ValueError:
             return None
-        name = f.f_code.co_filename
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_HERE)):
+        code = f.f_code
+        name = code.co_filename
+        inside = internal.get(name)
+        if inside is None:
+            inside = internal[name] = name.startswith(_TORCH_DIR) or name.startswith(_HERE) or name.startswith("<frozen")
+        if not inside:
             return (name, f.f_lineno)
-        f = f.f_back
     return None
 
 
@@ -156,7 +167,7 @@ class _Scan:
         self.problems: list[tuple[str, Any]] = []
         self.lift = lift
 
-    def enc(self, x: Any, where: str) -> Any:
+    def enc(self, x: Any, where: Any) -> Any:
         t = type(x)
         if t is Tensor:
             self.ins.append(x)
@@ -174,7 +185,7 @@ class _Scan:
             if self.key is not None:
                 self.key.append(t)
                 self.key.append(len(x))
-            return t([self.enc(e, f"{where}[{i}]") for i, e in enumerate(x)])
+            return t([self.enc(e, where) for e in x])
         if isinstance(x, torch.Tensor):
             if self.lift:
                 self.key = None
@@ -204,17 +215,25 @@ def _check(func: Any, scan: _Scan, ambient: Any) -> Any:
                                   f"{dict(t._view.procs.sizes)}) in one op; move one with t.to_mesh(...)"))
             break
     if scan.problems:
-        lines = "\n".join(f"  {where}: {what}" for where, what in scan.problems)
+        lines = "\n".join(f"  {'arg ' + str(where) if isinstance(where, int) else where}: {what}" for where, what in scan.problems)
         raise TypeError(f"Incorrect arguments to actormesh operation {func}:\n{lines}")
     return view
 
 
+_op_info: dict[Any, tuple[str, bool, bool]] = {}
+
+
 def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
     """Record ``func(*args, **kwargs)`` on the mesh of its tensors (or ``ambient``)."""
-    if func.namespace == "profiler":
+    info = _op_info.get(func)
+    if info is None:
+        info = _op_info[func] = (str(func), func in _LIFT, func.namespace == "profiler")
+    name, lift, local = info
+    if local:
         return func(*args, **kwargs)  # record_function markers: local bookkeeping only
-    scan = _Scan(func in _LIFT)
-    enc_args = tuple([scan.enc(a, f"arg {i}") for i, a in enumerate(args)])
+    scan = _Scan(lift)
+    enc = scan.enc
+    enc_args = tuple([enc(a, i) for i, a in enumerate(args)])
     enc_kwargs = {k: scan.enc(v, k) for k, v in kwargs.items()} if kwargs else kwargs
     view = _check(func, scan, ambient)
     if scan.lift:
@@ -230,7 +249,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
     client = view.client
     if spec.single is not None:
         out = Tensor._make(spec.single, view)
-        client.record((0, str(func), enc_args, enc_kwargs, (out._ref.id,), view.sid, _where()))
+        client.record((0, name, enc_args, enc_kwargs, (out._ref.id,), view.sid, _where()))
         return out
     leaves: list[Any] = []
     outs: list[int | None] = []
@@ -246,7 +265,7 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
             leaves.append(what)
             outs.append(None)
     if any(o is not None for o in outs) or func._schema.is_mutable:
-        client.record((0, str(func), enc_args, enc_kwargs, tuple(outs), view.sid, _where()))
+        client.record((0, name, enc_args, enc_kwargs, tuple(outs), view.sid, _where()))
     from torch.utils import _pytree as pytree
 
     return pytree.tree_unflatten(leaves, spec.treespec)
