@@ -83,6 +83,8 @@ def _main_collectives(rank: int, world: int, groups: Any) -> dict[str, Any]:
     out["inplace_a2a"] = (C.collective(t, pg, world, "stack", True, True) is t, t)
     out["stack_noncontig"] = C.collective(_value(rank, (3, 4)).t(), pg, world, "stack", False, False)
     out["scalar"] = C.collective(torch.tensor(float(rank)), pg, world, "max", False, False)
+    out["empty"] = [C.collective(torch.ones(world, 0), pg, world, r, s, False).shape
+                    for r, s in [("sum", False), ("sum", True), ("stack", False), ("stack", True)]]
     # User code in a remote function: plain torch.distributed calls on our group.
     import torch.distributed as dist
 
@@ -227,6 +229,7 @@ def test_stack_gathers_in_group_rank_order_and_stack_scatter_is_all_to_all(four:
         is_t, t = res["inplace_a2a"]
         assert is_t and torch.equal(t, x[:, rank])
         assert res["scalar"].shape == () and res["scalar"].item() == 3.0
+        assert res["empty"] == [(4, 0), (0,), (4, 4, 0), (4, 0)]
 
 
 @pytest.mark.timeout(90)
@@ -285,7 +288,7 @@ def test_a_dead_peer_gives_a_clear_error_not_a_hang(tmp_path: Path) -> None:
         message, group, op, elapsed = res["again"]
         assert "broken" in message and elapsed < 1
         message, group, op, elapsed = res["rendezvous"]
-        assert group == (rank, 2) and "group rendezvous" in message and "3" in message
+        assert group == (rank, 2) and "group rendezvous" in message and "3.0s deadline" in message
         assert elapsed >= 2.5  # it waited for the deadline, not forever
 
 
@@ -343,10 +346,19 @@ def test_groups_refuse_a_group_without_me() -> None:
             groups.group((1, 2))
         with pytest.raises(ValueError, match="distinct"):
             groups.group((0, 0))
+        with pytest.raises(ValueError, match="sends 1 tensor.* receives 0"):
+            C.exchange(groups, [(0, torch.ones(1))], [])
     finally:
         groups.close()
     with pytest.raises(RuntimeError, match="closed"):
         groups.group((0,))
+
+
+def test_connect_store_names_the_unreachable_address() -> None:
+    _, port, store = G.start_store("127.0.0.1", 5)
+    del store  # nothing listens there any more
+    with pytest.raises(G.TransportError, match=f"127.0.0.1:{port} within 1"):
+        G.connect_store("127.0.0.1", port, 1)
 
 
 if __name__ == "__main__":

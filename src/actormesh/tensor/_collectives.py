@@ -110,6 +110,8 @@ def collective(
             f"when scattering, the outermost dimension of a tensor of size {list(t.shape)} must "
             f"match the group size ({group_size})")
     x = t.contiguous()
+    if x.numel() == 0:  # every member has the same empty shape: nothing to move
+        return _empty_result(t, x, group_size, reduction, scatter, inplace)
     if reduction == "stack":
         out = torch.empty_like(x) if scatter else x.new_empty((group_size, *x.shape))
         name = "all_to_all" if scatter else "all_gather"
@@ -137,6 +139,16 @@ def collective(
     return out
 
 
+def _empty_result(
+    t: torch.Tensor, x: torch.Tensor, group_size: int, reduction: str, scatter: bool, inplace: bool
+) -> torch.Tensor:
+    if inplace:
+        return t
+    if reduction == "stack":
+        return torch.empty_like(x) if scatter else x.new_empty((group_size, *x.shape))
+    return x.new_empty(x.shape[1:]) if scatter else x.clone()
+
+
 def agree_ok(pg: ProcessGroup, ok: bool) -> list[int]:
     """Tell every member of ``pg`` which members' inputs failed; return their group ranks.
 
@@ -159,7 +171,7 @@ def exchange(
     """Send and receive tensors point to point; return the received ones, in ``recvs`` order.
 
     ``sends`` are ``(dst_global_rank, tensor)``, ``recvs`` ``(src_global_rank, shape,
-    dtype)``. The k-th send from A to B matches B's k-th receive from A (tags count
+    dtype)``; received tensors live on ``device_type`` ("cuda": the current device). The k-th send from A to B matches B's k-th receive from A (tags count
     per peer), so both sides must list them in the same order. A send to myself is
     matched with my receive from myself by a local clone. Pair groups (sorted rank
     pairs) are built in ascending order on every proc, so their rendezvous cannot
@@ -167,6 +179,12 @@ def exchange(
     """
     me = groups.my_rank
     local = [t for dst, t in sends if dst == me]
+    to_self = sum(1 for src, *_ in recvs if src == me)
+    if to_self != len(local):
+        raise ValueError(
+            f"rank {me} sends {len(local)} tensor(s) to itself but receives {to_self} from "
+            "itself; list each self-transfer once in sends and once in recvs")
+    device = torch.device(device_type)
     peers = sorted({r for r, *_ in list(sends) + list(recvs) if r != me})
     pairs = {p: groups.group(tuple(sorted((me, p))), device_type) for p in peers}
     pending: list[tuple[ProcessGroup, str, Any]] = []
@@ -183,13 +201,11 @@ def exchange(
     out: list[torch.Tensor] = []
     for src, shape, dtype in recvs:
         if src == me:
-            if not local:
-                raise ValueError(f"rank {me} receives from itself but sends nothing to itself")
             out.append(local.pop(0).clone())
             continue
         pg, tag = pairs[src], got.get(src, 0)
         got[src] = tag + 1
-        buf = torch.empty(tuple(shape), dtype=dtype)
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
         name = f"irecv from rank {src}"
         pending.append((pg, name, _start(pg, name, lambda: pg.recv([_bytes(buf)], 1 - pg.rank(), tag))))
         out.append(buf)

@@ -78,8 +78,13 @@ def fail(pg: ProcessGroup, op: str, exc: BaseException) -> CollectiveError:
         ranks = ()
     return CollectiveError(
         f"{op} on group {ranks} (group rank {pg.rank()} of {pg.size()}) failed: a peer died, "
-        f"or did not take part before the deadline. Cause: {type(exc).__name__}: "
-        f"{str(exc).strip()[:300]}", group=ranks, op=op)
+        f"or did not take part before the deadline. Cause: {cause(exc)}", group=ranks, op=op)
+
+
+def cause(exc: BaseException) -> str:
+    """The first line of a torch error (the rest is a C++ stack), with its type."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400]
 
 
 def _delta(timeout_s: float) -> datetime.timedelta:
@@ -98,7 +103,7 @@ def start_store(host: str, timeout_s: float = 60.0) -> tuple[str, int, TCPStore]
     try:
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_delta(timeout_s))
     except (RuntimeError, OSError) as exc:
-        raise TransportError(f"could not start a rendezvous store on {host!r}: {exc}") from exc
+        raise TransportError(f"could not start a rendezvous store on {host!r}: {cause(exc)}") from exc
     return host, store.port, store
 
 
@@ -109,7 +114,7 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0) -> TCPStore:
         return TCPStore(host, port, is_master=False, timeout=_delta(timeout_s))
     except (RuntimeError, OSError) as exc:
         raise TransportError(
-            f"could not reach the rendezvous store at {host}:{port} within {timeout_s}s: {exc}"
+            f"could not reach the rendezvous store at {host}:{port} within {timeout_s}s: {cause(exc)}"
         ) from exc
 
 
@@ -223,6 +228,7 @@ class Groups:
             opts.group_name = key
             # NCCL connects lazily, on the first CUDA collective.
             nccl = dist.ProcessGroupNCCL(PrefixStore("cuda/", prefix), me, size, opts)
+            nccl._set_sequence_number_for_group()
             pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, nccl)
             backends = "cpu:gloo,cuda:nccl"
         name = f"{key}#{next(_names)}"
@@ -245,7 +251,7 @@ class Groups:
             raise CollectiveError(
                 f"{op} on group {ranks} (group rank {group_rank} of {len(ranks)}, global rank "
                 f"{self.my_rank}) failed within the {self.timeout_s}s deadline: a peer died or "
-                f"did not take part. Cause: {type(exc).__name__}: {str(exc).strip()[:300]}",
+                f"did not take part. Cause: {cause(exc)}",
                 group=ranks, op=op) from exc
 
     def close(self) -> None:
