@@ -156,7 +156,6 @@ class Groups:
         self._namespace = namespace
         self._lock = threading.RLock()
         self._groups: dict[tuple[tuple[int, ...], str], ProcessGroup] = {}
-        self._ranks: dict[ProcessGroup, tuple[int, ...]] = {}
         self._broken: dict[tuple[int, ...], str] = {}
         self._dead: list[ProcessGroup] = []  # failed groups, still to destroy at close()
         self._closed = False
@@ -167,7 +166,9 @@ class Groups:
         The first call builds it, which blocks until every member has called too (at
         most ``timeout_s``, then :class:`CollectiveError`). ``device_type`` "cpu" gives
         a gloo group; "cuda" gives one with NCCL for CUDA tensors and gloo for CPU
-        tensors (the engine's poison agreement runs on CPU).
+        tensors (the engine's poison agreement runs on CPU). Its global ranks are
+        ``dist.get_process_group_ranks(pg)``; a group a collective failed on is
+        broken, and asking for it again raises :class:`CollectiveError` at once.
         """
         key = (tuple(int(r) for r in ranks), device_type)
         with self._lock:
@@ -186,12 +187,7 @@ class Groups:
             self._check(key)
             pg = self._build(*key)
             self._groups[key] = pg
-            self._ranks[pg] = key[0]
             return pg
-
-    def ranks_of(self, pg: ProcessGroup) -> tuple[int, ...]:
-        """The global ranks of a group this object made, in group-rank order."""
-        return self._ranks[pg]
 
     def _check(self, key: tuple[tuple[int, ...], str]) -> None:
         ranks, device_type = key
@@ -217,7 +213,7 @@ class Groups:
         def make_gloo() -> Any:
             return dist.ProcessGroupGloo(PrefixStore("cpu/", prefix), me, size, self._timeout)
 
-        gloo = self.guard(make_gloo, ranks, "group rendezvous (gloo)", me)
+        gloo = self._guard(make_gloo, ranks, "group rendezvous (gloo)", me)
         gloo._set_sequence_number_for_group()
         pg._register_backend(torch.device("cpu"), gloo_type, gloo)
         backends = "cpu:gloo"
@@ -237,7 +233,7 @@ class Groups:
         _register(pg, name, prefix, backends, ranks)
         return pg
 
-    def guard(self, fn: Callable[[], T], ranks: Sequence[int], op: str, group_rank: int) -> T:
+    def _guard(self, fn: Callable[[], T], ranks: Sequence[int], op: str, group_rank: int) -> T:
         """Run ``fn`` (a rendezvous or a blocking wait); turn torch's failure into a
         :class:`CollectiveError` naming the group and op, and mark the group broken."""
         try:
@@ -261,7 +257,6 @@ class Groups:
             self._closed = True
             groups, self._groups = list(self._groups.values()) + self._dead, {}
             self._dead = []
-            self._ranks.clear()
         for pg in groups:
             try:
                 dist.destroy_process_group(pg)
