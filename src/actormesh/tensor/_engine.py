@@ -238,3 +238,8 @@ def _mutated_refs(name: str, args: Any) -> list[int]:
         schema = resolve_op(name)._schema
         pos = _mutates[name] = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
     return [args[i].id for i in pos if i < len(args) and type(args[i]) is Ref]
+
+
+# Command kinds beyond the core register themselves in HANDLERS when imported:
+# 5-9 collectives and moves, 10-19 remote functions and actor calls, 20-29 streams.
+# (imports at the end: those modules import this one)
