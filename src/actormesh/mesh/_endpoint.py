@@ -180,6 +180,17 @@ class Endpoint(Generic[R]):
             return
         self._cast(payload, None, range(len(self._mesh._shape)))
 
+    def rref(self, *args: Any, **kwargs: Any) -> Any:
+        """Inside ``mesh.activate()``: call every member as a tensor-engine command and
+        return its per-proc result as a distributed tensor (needs ``propagate=``)."""
+        import importlib
+
+        try:
+            rrefs = importlib.import_module("actormesh.tensor._endpoint_tensors")
+        except ImportError as exc:
+            raise ImportError(f"Endpoint.rref needs the tensor engine, which needs torch ({exc})") from exc
+        return rrefs.endpoint_rref(self._mesh, self._prop, args, kwargs)
+
     def _send(self, args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None, selection: str) -> None:
         payload = self._prepare(args, kwargs)
         ref = port.ref if port is not None else None

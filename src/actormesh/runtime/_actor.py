@@ -43,6 +43,8 @@ class EndpointProperty(Generic[R]):
         self._fn = fn
         self.explicit_response_port = explicit_response_port
         self.concurrent = concurrent
+        #: how the tensor engine shapes ``rref`` results (Monarch's ``propagate``)
+        self.propagate = propagate
         self.is_async = inspect.iscoroutinefunction(fn)
         self.name = fn.__name__
         self.signature = inspect.signature(fn)
