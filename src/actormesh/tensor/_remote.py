@@ -40,6 +40,8 @@ from ._tensor import Tensor, _where
 __all__ = ["remote", "Remote", "call_on_shard_and_fetch", "scan_args", "spec_from_fake", "make_outputs"]
 
 _MODES = (None, "cached", "inspect", "mocked")
+#: Longest wait for a worker to propagate a function that fake tensors cannot run.
+PROPAGATE_WAIT_S = 600.0
 _NO_MESH = "Calling a remote function requires an active proc mesh: use `with mesh.activate():` (or pass distributed tensors)"
 
 
@@ -75,10 +77,28 @@ class Scanned:
         self.args, self.kwargs, self.tensors, self.view, self.key = args, kwargs, tensors, view, key
 
 
+_FLAT = (int, float, bool, str, type(None))
+
+
+def _flat_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+    """The arguments as leaves when they are only tensors and scalars (no pytree needed)."""
+    leaves = list(args)
+    if kwargs:
+        leaves.extend(kwargs.values())
+    for x in leaves:
+        if type(x) not in _FLAT and not isinstance(x, torch.Tensor):
+            return None
+    return leaves
+
+
 def scan_args(what: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, need_view: bool = True) -> Scanned:
     """Check and encode ``args``: distributed tensors become refs. TypeError for a
     local, dropped or other-mesh tensor; ValueError with no mesh to run on."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    flat = _flat_leaves(args, kwargs)
+    if flat is not None:  # the common case: skips pytree (~40 us)
+        leaves, spec = flat, ("flat", len(args), tuple(kwargs))
+    else:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
     ambient = active_view()
     tensors: list[Tensor] = []
     enc: list[Any] = []
@@ -112,7 +132,11 @@ def scan_args(what: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, need_
     if ambient is not None and view is not ambient:
         raise TypeError(f"{what}: WRONG_MESH: tensors of mesh {dict(view.procs.sizes)} used while mesh "
                         f"{dict(ambient.procs.sizes)} is active; move them with t.to_mesh(...) or activate their mesh")
-    a, k = pytree.tree_unflatten(enc, spec)
+    if flat is not None:
+        n = len(args)
+        a, k = tuple(enc[:n]), dict(zip(kwargs, enc[n:]))
+    else:
+        a, k = pytree.tree_unflatten(enc, spec)
     return Scanned(a, k, tensors, view, None if key is None else tuple(key))
 
 
@@ -137,6 +161,9 @@ def spec_from_fake(fn: Callable[..., Any], call: Scanned, args: Any, kwargs: Any
 
 def make_outputs(spec: Any, view: View) -> tuple[Any, tuple[int, ...], tuple[Any, ...]]:
     """Distributed tensors for each MetaLeaf of ``spec``: (result, their refs, their checks)."""
+    if type(spec) is MetaLeaf:  # one tensor: the common case, without pytree
+        t = Tensor._make(spec.meta, view)
+        return t, (t._ref.id,), ((tuple(spec.meta[0]), spec.meta[3], torch.device(spec.meta[4]).type),)
     refs: list[int] = []
     checks: list[Any] = []
 
@@ -235,7 +262,11 @@ class Remote:
         client = view.client
         client.flush()
         fut = client.member(view.shape.rank_at(0)).propagate_remote.call_one(self._fnref(), call.args, call.kwargs)
-        answer = raise_failed(fut.then(lambda v: v, local_torch).get())
+        try:
+            answer = raise_failed(fut.then(lambda v: v, local_torch).get(timeout=PROPAGATE_WAIT_S))
+        except TimeoutError:
+            raise TimeoutError(f"remote function {self._fnref().name}: shape propagation on rank {view.shape.rank_at(0)} "
+                               f"took over {PROPAGATE_WAIT_S:.0f} s; give propagate=fn to skip it") from None
         spec, mutated = answer
         return spec, list(mutated)
 

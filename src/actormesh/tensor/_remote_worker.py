@@ -98,12 +98,26 @@ def resolve_fn(ref: FnRef) -> Any:
     return fn
 
 
+def _plain(x: Any) -> bool:
+    """Only builtin tuples, lists and dicts as containers (the engine's own res() suffices)."""
+    t = type(x)
+    if t is tuple or t is list:
+        return all(_plain(v) for v in x)
+    if t is dict:
+        return all(_plain(v) for v in x.values())
+    return not isinstance(x, (tuple, list, dict))
+
+
 def resolve_args(engine: TensorEngine, x: Any) -> Any:
     """Every Ref in a pytree replaced by its shard (Poisoned if one is Failed)."""
+    if _plain(x):
+        return engine.res(x)
     return pytree.tree_map(lambda v: engine.res(v) if type(v) is Ref else v, x)
 
 
 def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
     return [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
 
 
