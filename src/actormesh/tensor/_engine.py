@@ -195,6 +195,13 @@ class TensorEngine(Actor):
         return out
 
     @endpoint
+    def start_store(self) -> tuple[str, int]:
+        """Serve the mesh's rendezvous store from this proc; returns (host, port)."""
+        from ._reduce_worker import serve_store
+
+        return serve_store(self)
+
+    @endpoint
     def value(self, op: str, args: Any, kwargs: Any) -> Any:
         """A data-dependent op's plain result (``.item()``) on this proc's shards."""
         try:
@@ -243,3 +250,4 @@ def _mutated_refs(name: str, args: Any) -> list[int]:
 # Command kinds beyond the core register themselves in HANDLERS when imported:
 # 5-9 collectives and moves, 10-19 remote functions and actor calls, 20-29 streams.
 # (imports at the end: those modules import this one)
+from . import _reduce_worker  # noqa: E402,F401
