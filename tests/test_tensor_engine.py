@@ -171,3 +171,22 @@ def test_item_asks_the_first_proc(procs):
     with procs.activate():
         t = torch.full((), 2.5)
         assert t.item() == 2.5
+
+
+def test_workers_get_torchrun_variables(procs):
+    import os
+
+    with procs.activate():
+        t = torch.zeros(1)
+    engine = te._client.client_for(procs).engine  # noqa: SLF001 - the env lives in the engine's procs
+
+    from actormesh.actor import Actor, endpoint
+
+    class Env(Actor):
+        @endpoint
+        def env(self) -> dict:
+            return {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+
+    got = procs.spawn("env", Env).env.call().get(timeout=30)
+    assert got.item(host=1, gpu=0) == {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    assert engine is not None and te.inspect(t).shape == (1,)

@@ -52,7 +52,7 @@ class EngineClient:
 
         self.key = mesh_key(procs)
         self.root = root_view(procs)
-        self.engine = self.root.spawn("tensor_engine", TensorEngine, self.key)
+        self.engine = self.root.spawn("tensor_engine", TensorEngine, self.key, worker_env(procs, len(self.root)))
         _engine_meshes.add(mesh_key(self.engine))
         self._refs = itertools.count(1)
         self._pending: list[Any] = []
@@ -124,6 +124,26 @@ class EngineClient:
         rank = view.shape.rank_at(index)
         fut = self.member(rank).value.call_one(op, args, kwargs).then(raise_failed, local_torch)
         return fut.get()
+
+
+#: Dim names taken as "the devices of one host" for LOCAL_RANK (else the last dim), as actormesh.spmd.
+_LOCAL_DIMS = ("gpus", "gpu", "procs", "local")
+
+
+def worker_env(procs: Any, n: int) -> list[dict[str, str]]:
+    """torchrun's RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE for each root rank."""
+    shape = shape_of(procs)
+    if len(shape) != n or sorted(shape.ranks()) != list(range(n)):
+        return [{"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)} for r in range(n)]
+    labels = shape.labels
+    local = next((d for d in _LOCAL_DIMS if d in labels), labels[-1] if labels else None)
+    out: list[dict[str, str]] = [{} for _ in range(n)]
+    for i in range(n):
+        point = shape.point(i)
+        local_rank = point[local] if local else 0
+        local_size = procs.size(local) if local else 1
+        out[shape.rank_at(i)] = {"RANK": str(shape.rank_at(i)), "WORLD_SIZE": str(n), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_size)}
+    return out
 
 
 def local_torch() -> Any:

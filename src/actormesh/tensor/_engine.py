@@ -71,9 +71,11 @@ def resolve_op(name: str) -> Any:
 class TensorEngine(Actor):
     """Runs the tensor commands of one proc mesh on this proc."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, env: list[dict[str, str]] | None = None) -> None:
         self.key = key
         self.rank: int = context().actor_instance.rank.rank
+        if env:
+            _set_env(env[self.rank])
         self.table: dict[int, Any] = {}
         self.shapes: dict[int, Any] = {}
         self.index: dict[int, int | None] = {}  # sid -> my index in that view, None: not a member
@@ -223,6 +225,16 @@ class TensorEngine(Actor):
         for closer in self.extra.get("closers", ()):
             closer()
         _engines.pop(self.key, None)
+
+
+def _set_env(env: dict[str, str]) -> None:
+    """Monarch's worker variables; an SPMD setup that came first keeps its own."""
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    # CUDA_VISIBLE_DEVICES is read once, when CUDA starts; selecting the device has the same effect later.
+    if "CUDA_VISIBLE_DEVICES" not in os.environ and torch.cuda.is_available() and local < torch.cuda.device_count():
+        torch.cuda.set_device(local)
 
 
 def _leaves(xs: Any) -> list[Any]:
