@@ -11,6 +11,7 @@ actor message can wait on. Flushes happen at fetch, before any actor message
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from typing import Any
@@ -62,6 +63,9 @@ class EngineClient:
         self._lock = threading.RLock()
         self._members: dict[int, Any] = {}
         self.seq = 0
+        # Objects alive now (torch and the program's setup) are not rescanned by the
+        # cycle collector at every burst of op bookkeeping: ~2x cheaper dispatch.
+        gc.freeze()
 
     # -- recording ----------------------------------------------------------------------------
     def view(self, procs: Any) -> View:
