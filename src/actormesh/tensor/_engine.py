@@ -20,6 +20,7 @@ import torch
 
 from ..errors import RemoteException
 from ..runtime import Actor, context, endpoint
+from ._process_group import GroupToken
 from ._tensor import Ref
 
 __all__ = ["TensorEngine", "Failed", "engine_for", "HANDLERS"]
@@ -111,6 +112,10 @@ class TensorEngine(Actor):
             return t([self.res(e) for e in x])
         if t is dict:
             return {k: self.res(v) for k, v in x.items()}
+        if t is GroupToken:
+            from ._reduce_worker import group_for
+
+            return group_for(self, x.sid, x.dims)[0]
         return x
 
     def fail(self, refs: Any, failed: Failed) -> None:
