@@ -16,7 +16,7 @@ import itertools
 import threading
 from typing import Any
 
-from ..errors import RemoteException
+from ..errors import RemoteException, SupervisionError
 from ..mesh import add_cast_hook, mesh_key, root_view, shape_of
 from ..runtime import Future
 
@@ -93,7 +93,10 @@ class EngineClient:
         """A handle died: free its shard at the next flush (list.append is atomic: GC-safe)."""
         self._deletes.append(ref)
         if len(self._deletes) >= FLUSH_EVERY:
-            self.flush()
+            try:
+                self.flush()
+            except SupervisionError:
+                pass  # the procs are gone, and their storage with them
 
     def flush(self) -> int:
         """Send what is queued; returns the batch number every proc will have run."""
@@ -106,7 +109,10 @@ class EngineClient:
                 batch.append((2, dels))
             shapes, self._new_shapes = self._new_shapes, {}
             self.seq += 1
-            self.engine.run.broadcast(self.seq, shapes, batch)
+            try:
+                self.engine.run.broadcast(self.seq, shapes, batch)
+            except SupervisionError as exc:
+                raise SupervisionError(f"the tensor commands for proc mesh {self.key} cannot run: its tensor engine is gone ({exc})") from None
             return self.seq
 
     # -- asking a proc ------------------------------------------------------------------------
