@@ -190,3 +190,24 @@ def test_workers_get_torchrun_variables(procs):
     got = procs.spawn("env", Env).env.call().get(timeout=30)
     assert got.item(host=1, gpu=0) == {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
     assert engine is not None and te.inspect(t).shape == (1,)
+
+
+def test_two_meshes_keep_their_own_engines(procs):
+    other = this_host().spawn_procs({"gpu": 2})
+    try:
+        with other.activate():
+            a = torch.full((1,), 7.0)
+        with procs.activate():
+            b = torch.full((1,), 3.0)
+        assert te.inspect(a, gpu=1).item() == 7.0 and te.inspect(b).item() == 3.0
+        with pytest.raises(ValueError, match="same proc mesh"):
+            a.to_mesh(procs.slice(host=0))
+    finally:
+        other.stop().get(timeout=60)
+
+
+def test_slice_mesh_moves_only_the_selected_shards(procs):
+    with procs.activate():
+        r = procs.rank_tensor("host").float() * 10 + procs.rank_tensor("gpu").float()
+    second_row = te.slice_mesh(r, host=1).to_mesh(procs.slice(host=0))
+    assert te.inspect(second_row, gpu=1).item() == 11.0
