@@ -84,9 +84,11 @@ class EngineClient:
         return next(self._refs)
 
     def record(self, cmd: tuple[Any, ...]) -> None:
-        pending = self._pending
-        pending.append(cmd)
-        if len(pending) >= FLUSH_EVERY:
+        with self._lock:  # a flush in another thread must not swap the queue between read and append
+            pending = self._pending
+            pending.append(cmd)
+            full = len(pending) >= FLUSH_EVERY
+        if full:
             self.flush()
 
     def release(self, ref: int) -> None:
