@@ -7,9 +7,11 @@ bring a shard back. This is the only layer that imports torch.
 
 from ._activate import activate, get_active_mesh, no_mesh
 from ._fetch import fetch_shard, inspect, show
+from ._process_group import RemoteProcessGroup
 from ._ranks import rank_tensor
+from ._reduce import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from ._remote import Remote, call_on_shard_and_fetch, remote
 from ._tensor import Tensor
 
-__all__ = ["activate", "get_active_mesh", "no_mesh", "fetch_shard", "inspect", "show", "rank_tensor", "Tensor",
-           "remote", "Remote", "call_on_shard_and_fetch"]
+__all__ = ["activate", "get_active_mesh", "no_mesh", "fetch_shard", "inspect", "show", "rank_tensor", "Tensor", "RemoteProcessGroup",
+           "reduce", "reduce_", "slice_mesh", "to_mesh", "MeshSliceTensor", "remote", "Remote", "call_on_shard_and_fetch"]

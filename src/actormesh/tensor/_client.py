@@ -11,11 +11,12 @@ actor message can wait on. Flushes happen at fetch, before any actor message
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from typing import Any
 
-from ..errors import RemoteException
+from ..errors import RemoteException, SupervisionError
 from ..mesh import add_cast_hook, mesh_key, root_view, shape_of
 from ..runtime import Future
 
@@ -52,7 +53,7 @@ class EngineClient:
 
         self.key = mesh_key(procs)
         self.root = root_view(procs)
-        self.engine = self.root.spawn("tensor_engine", TensorEngine, self.key)
+        self.engine = self.root.spawn("tensor_engine", TensorEngine, self.key, worker_env(procs, len(self.root)))
         _engine_meshes.add(mesh_key(self.engine))
         self._refs = itertools.count(1)
         self._pending: list[Any] = []
@@ -62,6 +63,9 @@ class EngineClient:
         self._lock = threading.RLock()
         self._members: dict[int, Any] = {}
         self.seq = 0
+        # Objects alive now (torch and the program's setup) are not rescanned by the
+        # cycle collector at every burst of op bookkeeping: ~2x cheaper dispatch.
+        gc.freeze()
 
     # -- recording ----------------------------------------------------------------------------
     def view(self, procs: Any) -> View:
@@ -80,16 +84,21 @@ class EngineClient:
         return next(self._refs)
 
     def record(self, cmd: tuple[Any, ...]) -> None:
-        pending = self._pending
-        pending.append(cmd)
-        if len(pending) >= FLUSH_EVERY:
+        with self._lock:  # a flush in another thread must not swap the queue between read and append
+            pending = self._pending
+            pending.append(cmd)
+            full = len(pending) >= FLUSH_EVERY
+        if full:
             self.flush()
 
     def release(self, ref: int) -> None:
         """A handle died: free its shard at the next flush (list.append is atomic: GC-safe)."""
         self._deletes.append(ref)
         if len(self._deletes) >= FLUSH_EVERY:
-            self.flush()
+            try:
+                self.flush()
+            except SupervisionError:
+                pass  # the procs are gone, and their storage with them
 
     def flush(self) -> int:
         """Send what is queued; returns the batch number every proc will have run."""
@@ -102,7 +111,10 @@ class EngineClient:
                 batch.append((2, dels))
             shapes, self._new_shapes = self._new_shapes, {}
             self.seq += 1
-            self.engine.run.broadcast(self.seq, shapes, batch)
+            try:
+                self.engine.run.broadcast(self.seq, shapes, batch)
+            except SupervisionError as exc:
+                raise SupervisionError(f"the tensor commands for proc mesh {self.key} cannot run: its tensor engine is gone ({exc})") from None
             return self.seq
 
     # -- asking a proc ------------------------------------------------------------------------
@@ -124,6 +136,26 @@ class EngineClient:
         rank = view.shape.rank_at(index)
         fut = self.member(rank).value.call_one(op, args, kwargs).then(raise_failed, local_torch)
         return fut.get()
+
+
+#: Dim names taken as "the devices of one host" for LOCAL_RANK (else the last dim), as actormesh.spmd.
+_LOCAL_DIMS = ("gpus", "gpu", "procs", "local")
+
+
+def worker_env(procs: Any, n: int) -> list[dict[str, str]]:
+    """torchrun's RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE for each root rank."""
+    shape = shape_of(procs)
+    if len(shape) != n or sorted(shape.ranks()) != list(range(n)):
+        return [{"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)} for r in range(n)]
+    labels = shape.labels
+    local = next((d for d in _LOCAL_DIMS if d in labels), labels[-1] if labels else None)
+    out: list[dict[str, str]] = [{} for _ in range(n)]
+    for i in range(n):
+        point = shape.point(i)
+        local_rank = point[local] if local else 0
+        local_size = procs.size(local) if local else 1
+        out[shape.rank_at(i)] = {"RANK": str(shape.rank_at(i)), "WORLD_SIZE": str(n), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_size)}
+    return out
 
 
 def local_torch() -> Any:
