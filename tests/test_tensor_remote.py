@@ -77,6 +77,18 @@ def bump_then_fail(x: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("failed while bumping")
 
 
+@remote
+def allsum(x: torch.Tensor, pg: Any) -> torch.Tensor:
+    torch.distributed.all_reduce(x, group=pg)
+    return x * 1
+
+
+@remote
+def allsum_by_value(x: torch.Tensor, pg: Any) -> torch.Tensor:
+    torch.distributed.all_reduce(x, group=pg)
+    return torch.zeros(int(x.sum().item()))
+
+
 @remote(propagate="inspect")
 def where_am_i(offset: int = 0) -> int:
     from actormesh.actor import context
@@ -181,6 +193,17 @@ def test_in_place_remote_mutation_is_seen_and_a_failure_poisons_the_mutated_inpu
         bump_then_fail(x)
         with pytest.raises(RemoteException, match="failed while bumping"):
             T.inspect(x)
+
+
+def test_process_group_argument_is_mocked_for_propagation_and_real_on_the_workers(procs):
+    with procs.activate():
+        pg = procs.process_group("gpus")
+        x = torch.ones(2) + procs.rank_tensor("gpus") + 10 * procs.rank_tensor("hosts")
+        y = allsum(x, pg)  # fake run with a dummy group: no worker involved
+        assert y.shape == (2,)
+        assert eq(T.inspect(y, hosts=0, gpus=0), [3, 3]) and eq(T.inspect(y, hosts=1, gpus=1), [23, 23])
+        with pytest.raises(ValueError, match="process group.*propagate=fn"):
+            allsum_by_value(x, pg)  # a lone proc would wait forever in the collective
 
 
 # -- errors ---------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ._activate import active_view
 from ._client import View, client_for, local_torch, raise_failed
 from ._fetch import shard_index
 from ._meta import fake_from_meta, fake_mode, meta_of
+from ._process_group import RemoteProcessGroup
 from ._remote_worker import FnRef, MetaLeaf, import_path
 from ._tensor import Tensor, _where
 
@@ -142,8 +143,20 @@ def scan_args(what: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, need_
 
 def _fakes(call: Scanned, args: Any, kwargs: Any) -> tuple[Any, Any, list[torch.Tensor]]:
     fakes = {id(t): fake_from_meta(t._meta) for t in call.tensors}
-    fa, fk = pytree.tree_map(lambda x: fakes[id(x)] if type(x) is Tensor else x, (args, kwargs))
+
+    def swap(x: Any) -> Any:
+        if type(x) is Tensor:
+            return fakes[id(x)]
+        if isinstance(x, RemoteProcessGroup):
+            return dummy_group(x.size())
+        return x
+
+    fa, fk = pytree.tree_map(swap, (args, kwargs))
     return fa, fk, [fakes[id(t)] for t in call.tensors]
+
+
+def has_group(args: Any, kwargs: Any) -> bool:
+    return any(isinstance(x, RemoteProcessGroup) for x in pytree.tree_leaves((args, kwargs)))
 
 
 def spec_from_fake(fn: Callable[..., Any], call: Scanned, args: Any, kwargs: Any) -> tuple[Any, list[int]]:
@@ -252,6 +265,9 @@ class Remote:
         except Exception:
             found = None
         if found is None:  # not importable here, or cannot run on fake tensors: ask the first proc
+            if has_group(args, kwargs):  # one proc alone would wait forever in the collective
+                raise ValueError(f"remote function {self._fnref().name} takes a process group and cannot run on fake "
+                                 "tensors here (with the group mocked); give propagate=fn returning its fake results")
             found = self._spec_on_worker(call)
         if call.key is not None:
             self._cache[call.key] = found
@@ -343,3 +359,40 @@ def call_on_shard_and_fetch(remote: Remote, *args: Any, shard: dict[str, int] | 
     client.flush()
     member = client.member(call.view.shape.rank_at(index))
     return member.call_remote.call_one(ref, call.args, call.kwargs).then(raise_failed, local_torch)
+
+
+_dummy_groups: dict[int, Any] = {}
+
+
+def dummy_group(size: int) -> Any:
+    """A torch ProcessGroup whose collectives return their input at once: stands for
+    a RemoteProcessGroup while a function runs on fake tensors (as Monarch mocks it)."""
+    group = _dummy_groups.get(size)
+    if group is None:
+        import torch.distributed as dist
+
+        class _Done:
+            def __init__(self, value: Any) -> None:
+                self.value = value
+
+            def wait(self, timeout: Any = None) -> Any:
+                return self.value
+
+            def is_completed(self) -> bool:
+                return True
+
+        class DummyGroup(dist.ProcessGroup):  # type: ignore[misc]
+            def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+                return _Done(tensors)
+
+            def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+                return _Done(output)
+
+            def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+                return _Done(output)
+
+            def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+                return _Done(tensors)
+
+        group = _dummy_groups[size] = DummyGroup(0, size)
+    return group

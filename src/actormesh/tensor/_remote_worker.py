@@ -112,7 +112,7 @@ def resolve_args(engine: TensorEngine, x: Any) -> Any:
     """Every Ref in a pytree replaced by its shard (Poisoned if one is Failed)."""
     if _plain(x):
         return engine.res(x)
-    return pytree.tree_map(lambda v: engine.res(v) if type(v) is Ref else v, x)
+    return pytree.tree_map(engine.res, x)  # res() also turns a GroupToken into this proc's group
 
 
 def _tensor_leaves(out: Any) -> list[torch.Tensor]:
