@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..mesh import NotAnEndpoint, as_endpoint
 from ..runtime import endpoint
 from ..transport import loads
 from ._engine import HANDLERS, Failed, Poisoned, TensorEngine
@@ -207,9 +208,7 @@ def _run_actor_rref(engine: TensorEngine, cmd: tuple[Any, ...]) -> None:
         point = shape.point(i)
         member = actors.slice(**{label: point[label] for label in shape.labels})
         ep = getattr(member, method)
-        if not hasattr(ep, "call_one") or type(ep).__name__ == "NotAnEndpoint":
-            from ..mesh import as_endpoint
-
+        if isinstance(ep, NotAnEndpoint):  # a plain method, called through as_endpoint(...)
             ep = as_endpoint(ep)
         out = ep.call_one(*args, **kwargs).get(timeout=ACTOR_WAIT_S)
     except Poisoned as p:
