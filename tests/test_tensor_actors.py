@@ -198,6 +198,8 @@ def test_rref_misuse_is_reported_at_the_call_site(procs):
             as_endpoint(lin.forward, propagate="mocked").rref(torch.ones(2))
         with pytest.raises(TypeError, match="bad arguments"):
             lin.colsum.rref()
+        with pytest.raises(RuntimeError, match="not annotated as an endpoint.*as_endpoint"):
+            lin.forward.rref(torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"with mesh.activate\(\):"):
         lin.update.rref(3)
     with procs.slice(gpus=0).activate():

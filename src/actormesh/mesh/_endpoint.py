@@ -214,7 +214,7 @@ class NotAnEndpoint:
         raise RuntimeError(f"Actor {self._mesh._class.__qualname__}.{self._name} is not annotated as an endpoint; add @endpoint or use as_endpoint().")
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("call", "call_one", "choose", "stream", "broadcast"):
+        if name in ("call", "call_one", "choose", "stream", "broadcast", "rref"):
             return self
         raise AttributeError(name)
 
