@@ -7,6 +7,7 @@ return into a distributed tensor (Monarch's ``test_rref_actor``).
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import actormesh.tensor as T
 from actormesh.actor import Actor, as_endpoint, endpoint
 from actormesh.errors import RemoteException
+from actormesh.tensor._client import client_for
 from conftest import module_procs
 
 W = 60
@@ -24,7 +26,13 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def procs() -> Any:
-    yield from module_procs({"gpus": 2})
+    for pm in module_procs({"gpus": 2}):
+        yield pm
+        # Free this module's shards while the engine still runs: a handle collected after
+        # the stop would make the next actor call's flush fail (a core issue, reported).
+        gc.collect()
+        pm_client = client_for(pm)
+        pm_client.flush()
 
 
 def eq(value: torch.Tensor, expected: Any) -> bool:

@@ -8,6 +8,7 @@ get the controller's sys.path); lambdas and closures travel by cloudpickle.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -20,6 +21,7 @@ import torch
 import actormesh.tensor as T
 from actormesh.actor import Channel, SupervisionError, send
 from actormesh.errors import RemoteException
+from actormesh.tensor._client import client_for
 from actormesh.tensor import remote
 from conftest import module_procs
 
@@ -30,7 +32,13 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def procs() -> Any:
-    yield from module_procs({"hosts": 2, "gpus": 2})
+    for pm in module_procs({"hosts": 2, "gpus": 2}):
+        yield pm
+        # Free this module's shards while the engine still runs: a handle collected after
+        # the stop would make the next actor call's flush fail (a core issue, reported).
+        gc.collect()
+        pm_client = client_for(pm)
+        pm_client.flush()
 
 
 def eq(value: torch.Tensor, expected: Any) -> bool:
