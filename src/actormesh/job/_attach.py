@@ -152,15 +152,13 @@ def attach(addr: str) -> None:
     """
     from ..runtime import attach_gateway, runtime_started
 
+    try:
+        address = normalize_address("unix:" + addr[len("ipc://"):] if isinstance(addr, str) and addr.startswith("ipc://") else addr)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"attach(): bad gateway address {addr!r}: expected 'tcp://HOST:PORT' (e.g. the local end of a "
+                        "port-forward to a worker), 'unix:/path' or 'ipc:///path'") from None
     if runtime_started():
         raise RuntimeError("attach() must be called before the first actor call or context() in this process: "
                            "its actormesh runtime has started already. Call attach(addr) first thing.")
-    if isinstance(addr, str) and addr.startswith("ipc://"):
-        addr = "unix:" + addr[len("ipc://"):]
-    try:
-        address = normalize_address(addr)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"attach(): bad gateway address {addr!r}: expected 'tcp://HOST:PORT' (e.g. the local end of a "
-                        "port-forward to a worker) or 'unix:/path'") from None
     secret, tls = credentials_from_env("attach()")
     attach_gateway(address, secret=secret, tls=tls)
