@@ -163,6 +163,8 @@ os.environ["ACTORMESH_SECRET_FILE"] = right_secret
 attach(gateway)
 out["address"] = current_runtime().address
 attempt("again", gateway, RuntimeError)
+from actormesh.actor import this_proc
+out["in_client"] = this_proc().spawn("local", Echo).echo.call_one("here").get(timeout=T) == ("here", os.getpid())
 try:
     this_host().spawn_procs(per_host={"local": 1}).initialized.get(timeout=T)
     out["local_spawn"] = "no error"
@@ -330,6 +332,7 @@ def test_attach_errors_name_the_cause_and_leave_no_runtime_behind(workers: Worke
     assert out["started_after_failures"] is False
     assert out["address"].startswith("via:")
     assert out["again"].startswith("RuntimeError") and "before the first actor call or context()" in out["again"], out["again"]
+    assert out["in_client"] is True  # actors in the attached client itself still work
     assert "cannot spawn procs on its own machine" in out["local_spawn"], out["local_spawn"]
 
 
