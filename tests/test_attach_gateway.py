@@ -136,6 +136,17 @@ emit({"proc_pids": [v[1] for v in echo.echo.call("x").get(timeout=T).values()]})
 sys.stdin.readline()  # killed before this returns
 """
 
+_TLS = _COMMON + """
+gateway, *workers = sys.argv[1:]
+attach(gateway)
+hosts = attach_to_workers(workers=workers)
+echo = hosts.spawn_procs(per_host={"procs": 1}).spawn("echo", Echo)
+port, recv = Channel.open()
+echo.send_to.broadcast(port, "pushed")
+emit({"echo": [v[0] for v in echo.echo.call("tls").get(timeout=T).values()], "pushed": [recv.recv().get(timeout=T) for _ in range(2)],
+      "tls": current_runtime()._listener.conn._transport.get_extra_info("ssl_object") is not None})
+"""
+
 _ERRORS = _COMMON + """
 from actormesh.errors import AuthenticationError, TransportError
 from actormesh.runtime import runtime_started
@@ -204,10 +215,15 @@ def _listening(host: str, port: int) -> bool:
 
 
 class Workers:
-    """Two workers (``run_worker_loop_forever``) on 127.0.0.5 and 127.0.0.6."""
+    """Two workers (``run_worker_loop_forever``) on 127.0.0.5 and 127.0.0.6; with ``tls``
+    their credentials include the job's CA, and every TCP channel is mutual TLS."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        self.secret = _secret_file(tmp_path / "job.secret")
+    def __init__(self, tmp_path: Path, tls: bool = False) -> None:
+        if tls:
+            self.secret = str(tmp_path / "job.creds")
+            subprocess.run([sys.executable, "-m", "actormesh.host", "--new-credentials", self.secret, "--tls"], check=True, timeout=60)
+        else:
+            self.secret = _secret_file(tmp_path / "job.secret")
         self.env = {**os.environ, "ACTORMESH_SECRET_FILE": self.secret}
         self.hosts = [(f"127.0.0.{i}", _free_port(f"127.0.0.{i}")) for i in (5, 6)]
         self.addresses = [f"tcp://{h}:{p}" for h, p in self.hosts]
@@ -224,8 +240,8 @@ class Workers:
 
 
 @pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    w = Workers(tmp_path)
+def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Workers]:
+    w = Workers(tmp_path, tls=getattr(request, "param", False))
     try:
         yield w
     finally:
@@ -307,6 +323,19 @@ def test_gateway_stops_the_procs_of_a_client_that_vanished(workers: Workers, tmp
         return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
 
     wait_for(gone, timeout=60, interval=0.05)
+
+
+@pytest.mark.parametrize("workers", [True], indirect=True, ids=["tls"])
+def test_attach_over_tls(workers: Workers, tmp_path: Path) -> None:
+    client = workers.client(_TLS, workers.addresses[0], *workers.addresses, tmp_path=tmp_path, name="tls")
+    try:
+        out = _result(client)
+        assert client.wait(timeout=60) == 0
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(timeout=10)
+    assert out == {"echo": ["tls", "tls"], "pushed": ["pushed", "pushed"], "tls": True}
 
 
 def test_attach_errors_name_the_cause_and_leave_no_runtime_behind(workers: Workers, tmp_path: Path) -> None:
