@@ -373,3 +373,42 @@ def test_attach_after_the_runtime_started_is_a_runtime_error() -> None:
         attach("tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="bad gateway address"):
         attach("127.0.0.1:1")
+
+
+def test_rebind_takes_effect_for_the_rest_of_a_batch(tmp_path: Path) -> None:
+    """A gateway learns from a leg's HELLO who owns it and rebinds: frames that
+    arrived in the same read as that HELLO must reach the new handler too."""
+    import asyncio
+
+    from actormesh.transport import connect, listen
+
+    secret = os.urandom(32)
+    first: list[bytes] = []
+    rest: list[bytes] = []
+
+    async def scenario() -> None:
+        got_all = asyncio.Event()
+
+        def take_rest(conn: Any, segments: list[Any]) -> None:
+            rest.append(bytes(segments[0]))
+            if len(rest) == 3:
+                got_all.set()
+
+        def take_first(conn: Any, segments: list[Any]) -> None:
+            first.append(bytes(segments[0]))
+            conn.rebind(on_frame=take_rest, on_close=lambda c, e: None)
+
+        server = await listen(f"unix:{tmp_path / 'rebind.sock'}", secret, on_connection=lambda c: None, on_frame=take_first,
+                              on_close=lambda c, e: None, max_frame_bytes=1 << 20, handshake_timeout_s=5)
+        try:
+            conn = await connect(f"unix:{tmp_path / 'rebind.sock'}", secret, on_frame=lambda c, f: None, on_close=lambda c, e: None,
+                                 max_frame_bytes=1 << 20, handshake_timeout_s=5, timeout_s=10)
+            for i in range(4):  # from the loop thread: one flush, one write, very likely one read
+                conn.send([b"frame-%d" % i])
+            await asyncio.wait_for(got_all.wait(), 20)
+            conn.close()
+        finally:
+            server.close()
+
+    asyncio.run(scenario())
+    assert first == [b"frame-0"] and rest == [b"frame-1", b"frame-2", b"frame-3"]
