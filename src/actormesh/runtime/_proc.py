@@ -100,8 +100,7 @@ class ProcRuntime:
         self.on_peer_lost: list[Callable[[str, str], None]] = []
         self.on_join: list[Callable[[str, str, int], None]] = []
         self.on_hello: Callable[[Connection, Envelope], bool] | None = None
-        #: Takes over a connection whose HELLO asks to be relayed (a gateway's: runtime/_gateway.py).
-        self.relay: Callable[[Connection, Envelope], None] = refuse_relay
+        self.relay: Callable[[Connection, Envelope], None] = refuse_relay  #: a gateway's (runtime/_gateway.py)
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None
         self._listen_address = listen_address
@@ -390,9 +389,8 @@ class ProcRuntime:
                 conn._abort(ProtocolError("no HELLO"))
                 return
             conn.tag = env[1]
-            if len(env) > 4:
-                self.relay(conn, env)
-                return
+            if len(env) > 4:  # asks to be relayed: a gateway takes the connection over
+                return self.relay(conn, env)
             if self.on_hello is not None and self.on_hello(conn, env):
                 return
             r = self.route(env[1])
