@@ -1,0 +1,162 @@
+"""Per-op cost split of ``t = t + 1`` for ``bench.tensor_bench`` (measured in-process).
+
+Each part is the difference between two runs of the same loop of ``n`` ops,
+so the parts add up to the controller's own time per op:
+
+- ``interception``: a TorchDispatchMode that returns a cached wrapper tensor
+  (torch's Python-dispatch floor; no engine code runs);
+- ``dispatch``: the engine's dispatch with the propagation cache warm (argument
+  scan and checks, cache lookup, output handle, the dead handle's release),
+  with recording stubbed out, minus the floor;
+- ``encode``: the same with recording real (the command tuple, the issuing
+  line via ``_where()``, the queue append), minus ``dispatch``;
+- ``send``: ``flush()`` of the ``n`` queued commands (pickling + broadcast) / n;
+- worker: unpickling that batch and running it on a ``TensorEngine`` built
+  in-process (as a worker's ``run`` does), per op; ``drain`` is the time from
+  the flush returning until ``inspect`` returns, seen from the controller.
+
+Auxiliary figures: ``propagate()`` alone on a cache hit, ``Tensor._make``
+alone. Touches private engine names on purpose (this is a profile of them);
+everything patched is restored.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import actormesh.tensor._client as _client
+import actormesh.tensor._tensor as _tensor
+from actormesh.tensor._engine import TensorEngine
+from actormesh.tensor._meta import propagate
+
+
+class _Wrapper(torch.Tensor):
+    """A bare wrapper subclass (no engine code), the floor's cached output."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+class _Floor(TorchDispatchMode):
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+
+def _floor_dispatch(self: _Floor, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    return self.out
+
+
+# the engine's own mode takes the plain function too (no dynamo wrapper): same floor
+_Floor.__torch_dispatch__ = _floor_dispatch  # type: ignore[method-assign]
+
+
+def _loop(t: Any, n: int) -> tuple[Any, float]:
+    gc.collect()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = t + 1
+    return t, time.perf_counter() - t0
+
+
+def floor_us(n: int) -> float:
+    w = torch.Tensor._make_wrapper_subclass(_Wrapper, (4, 4), dtype=torch.float32)
+    with _Floor(w):
+        _, dt = _loop(w, n)
+    return dt / n * 1e6
+
+
+@contextmanager
+def _no_auto_flush() -> Any:
+    old = _client.FLUSH_EVERY
+    _client.FLUSH_EVERY = 1 << 40
+    try:
+        yield
+    finally:
+        _client.FLUSH_EVERY = old
+
+
+def _stubbed_us(procs: Any, t: Any, n: int) -> float:
+    client = t._view.client
+    where = _tensor._where
+    client.record = lambda cmd: None  # instance attribute shadows the method
+    _tensor._where = lambda: None
+    try:
+        with _no_auto_flush(), procs.activate():
+            _, dt = _loop(t, n)
+    finally:
+        del client.record
+        _tensor._where = where
+        client._deletes.clear()  # refs the workers never saw
+    return dt / n * 1e6
+
+
+def _lookup_us(t: Any, n: int) -> tuple[float, float]:
+    """``propagate`` on a cache hit and ``Tensor._make`` alone, per call."""
+    func = torch.ops.aten.add.Tensor
+    key = (t._meta, int, 1, func)
+    propagate(func, (t, 1), {}, [t], key)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        spec = propagate(func, (t, 1), {}, [t], key)
+    lookup = time.perf_counter() - t0
+    client, view = t._view.client, t._view
+    deletes = len(client._deletes)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        _tensor.Tensor._make(spec.single, view)
+    make = time.perf_counter() - t0
+    del client._deletes[deletes:]  # those handles were never recorded
+    return lookup / n * 1e6, make / n * 1e6
+
+
+def worker_run_us(batch: list[Any], first_ref: int, shape: Any, sid: int) -> tuple[float, float]:
+    """(unpickle, run) microseconds per command of ``batch`` on an in-process engine."""
+    e = TensorEngine.__new__(TensorEngine)
+    e.rank, e.table, e.shapes, e.index = shape.rank_at(0), {first_ref: torch.zeros(4, 4)}, {sid: shape}, {}
+    e.cond, e.done, e.extra = threading.Condition(), 0, {}
+    blob = pickle.dumps(batch, protocol=5)
+    gc.collect()
+    t0 = time.perf_counter()
+    batch = pickle.loads(blob)
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        for cmd in batch:
+            e._run_one(cmd)
+    t2 = time.perf_counter()
+    return (t1 - t0) / len(batch) * 1e6, (t2 - t1) / len(batch) * 1e6
+
+
+def split(procs: Any, n: int, fetch: Any) -> dict[str, float]:
+    """The cost split on ``procs`` (engine already running), microseconds per op."""
+    with procs.activate():
+        t = torch.zeros(4, 4)
+        t = t + 1  # propagation cache warm for this op and metadata
+    fetch(t)
+    floor = floor_us(n)
+    stubbed = _stubbed_us(procs, t, n)
+    lookup, make = _lookup_us(t, n)
+    client, first = t._view.client, t._ref.id
+    with _no_auto_flush():
+        with procs.activate():
+            u, dt = _loop(t, n)
+            batch = list(client._pending)
+            t0 = time.perf_counter()
+            client.flush()
+            send = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        fetch(u)
+        drain = time.perf_counter() - t1
+    unpickle, run = worker_run_us(batch, first, t._view.shape, t._view.sid)
+    full = dt / n * 1e6
+    return {"interception_us": floor, "dispatch_us": stubbed - floor, "encode_us": full - stubbed,
+            "send_us": send / n * 1e6, "controller_total_us": full + send / n * 1e6,
+            "propagate_hit_us": lookup, "make_handle_us": make, "drain_us": drain / n * 1e6,
+            "worker_unpickle_us": unpickle, "worker_run_us": run, "batch_commands": len(batch)}
