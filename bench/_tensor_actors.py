@@ -82,8 +82,9 @@ class SPMDBench(Actor):
         return (time.perf_counter() - t0) / k
 
     @endpoint
-    def all_reduce(self, numel: int, m: int) -> float:
-        """Seconds per in-place ``dist.all_reduce`` (sum) of ``numel`` float32s, over ``m`` calls."""
+    def all_reduce(self, numel: int, m: int, clone: bool = False) -> float:
+        """Seconds per ``dist.all_reduce`` (sum) of ``numel`` float32s, over ``m`` calls; in place,
+        or with ``clone`` on a fresh copy each call (torch's way to an out-of-place result)."""
         import torch
         import torch.distributed as dist
 
@@ -94,7 +95,12 @@ class SPMDBench(Actor):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(m):
-            dist.all_reduce(t)
+            if clone:
+                u = t.clone()
+                dist.all_reduce(u)
+                del u
+            else:
+                dist.all_reduce(t)
         return (time.perf_counter() - t0) / m
 
     @endpoint

@@ -2,7 +2,8 @@
 under the Monarch venv's interpreter: ``python -m bench._tensor_monarch N REPS``.
 
 The same loop as ours (``t = t + 1`` on a 4x4 tensor inside ``mesh.activate()``
-on 4 procs, until ``monarch.inspect(t)`` returns), after 200 warm-up ops.
+on 4 procs, until ``monarch.inspect(t)`` returns), after 200 warm-up ops,
+with Monarch's spawn deadlines raised to 300 s (the defaults time out under load).
 Prints one ``RESULT {json}`` line: the best ops/s and every rep's. Imports no
 actormesh.
 """
@@ -19,7 +20,11 @@ def main(n: int, reps: int) -> None:
 
     import monarch
     from monarch.actor import this_host
+    from monarch.config import configure
 
+    # Monarch's default 30 s spawn deadlines fail on this shared 2-core box under load;
+    # longer ones change nothing once the mesh is up
+    configure(actor_spawn_max_idle="300s", mesh_proc_spawn_max_idle="300s", host_spawn_ready_timeout="300s")
     mesh = this_host().spawn_procs({"gpu": 4})
     try:
         with mesh.activate():
