@@ -32,6 +32,7 @@ about 2-3 minutes (plus ~1 minute with --monarch).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -76,6 +77,15 @@ def spmd(dims: dict[str, int]) -> tuple[Any, Any]:
     procs, _ = spawn(dims)
     setup_torch_elastic_env(procs, timeout=GET_S)
     return procs, procs.spawn("spmd_bench", SPMDBench)
+
+
+def close(procs: Any) -> None:
+    """Stop tensor-engine ``procs`` once the deletes of their dead tensors are sent: a client left with
+    queued deletes of a stopped mesh fails every later flush (see the report)."""
+    gc.collect()
+    with procs.activate():
+        pass  # leaving the block flushes
+    procs.stop().get(timeout=60)
 
 
 def slowest(values: Any) -> float:
@@ -133,7 +143,7 @@ def fig_dispatch(quick: bool, monarch: bool) -> dict[str, Any]:
         out["controller_cpu_share"] = max(runs)[1]
         out["split"] = sp = split(procs, n, fetch, reps=3 if quick else 5)
     finally:
-        procs.stop().get(timeout=60)
+        close(procs)
     out["end_to_end_us"] = 1e6 / out["ops_s"]
     # what the measured CPU costs allow on this machine were it idle: controller alone, or
     # controller + 4 workers sharing the cores, whichever binds (an estimate, not a measurement)
@@ -198,6 +208,22 @@ def te_steps(step: Any, k: int) -> float:
     return (time.perf_counter() - t0) / k
 
 
+def training_runs(procs: Any, ddp: Any, k: int, reps: int, out: dict[str, Any]) -> None:
+    """Both loops, taking turns rep by rep; every distributed tensor dies on return."""
+    step = te_training(procs)
+    out["loss_first"] = float(fetch(step()))
+    te_steps(step, 3)
+    out["commands_per_step"] = count_commands(step)
+    out["params"] = ddp.setup_ddp.call().get(timeout=GET_S).values()[0]
+    ddp.ddp_steps.call(3).get(timeout=GET_S)
+    te_s, ddp_s = [], []
+    for _ in range(reps):  # taking turns: both see the same machine load
+        te_s.append(te_steps(step, k))
+        ddp_s.append(slowest(ddp.ddp_steps.call(k).get(timeout=GET_S)))
+    out["loss_last"] = float(fetch(step()))
+    out.update(te_step_s=min(te_s), ddp_step_s=min(ddp_s), reps_te_step_s=te_s, reps_ddp_step_s=ddp_s)
+
+
 def fig_training(quick: bool) -> dict[str, Any]:
     k, reps = (8, 2) if quick else (20, 3)
     out: dict[str, Any] = {"k": k, "load_before": load()}
@@ -205,23 +231,12 @@ def fig_training(quick: bool) -> dict[str, Any]:
     ddp_procs, ddp = spmd({"dp": 2})
     try:
         out["concurrency_before"] = min(ddp.concurrency.call().get(timeout=GET_S).values())
-        step = te_training(procs)
-        first, last = float(fetch(step())), 0.0
-        te_steps(step, 3)
-        out["commands_per_step"] = count_commands(step)
-        out["params"] = ddp.setup_ddp.call().get(timeout=GET_S).values()[0]
-        ddp.ddp_steps.call(3).get(timeout=GET_S)
-        te_s, ddp_s = [], []
-        for _ in range(reps):  # taking turns: both see the same machine load
-            te_s.append(te_steps(step, k))
-            ddp_s.append(slowest(ddp.ddp_steps.call(k).get(timeout=GET_S)))
-        last = float(fetch(step()))
+        training_runs(procs, ddp, k, reps, out)
         out["concurrency_after"] = min(ddp.concurrency.call().get(timeout=GET_S).values())
     finally:
-        procs.stop().get(timeout=60)
+        close(procs)
         ddp_procs.stop().get(timeout=60)
-    out.update(te_step_s=min(te_s), ddp_step_s=min(ddp_s), reps_te_step_s=te_s, reps_ddp_step_s=ddp_s,
-               loss_first=first, loss_last=last, load_after=load())
+    out["load_after"] = load()
     out["te_over_ddp"] = out["te_step_s"] / out["ddp_step_s"]
     return out
 
@@ -244,6 +259,27 @@ def te_reduce_s(procs: Any, t: Any, m: int, inplace: bool) -> float:
     return (time.perf_counter() - t0) / m
 
 
+def allreduce_runs(procs: Any, base: Any, numel: int, m: int, reps: int) -> dict[str, list[float]]:
+    """Seconds per call of each form, taking turns rep by rep; every distributed tensor dies on return."""
+    with procs.activate():
+        t = torch.ones(numel)
+        t.reduce_("gpu", "sum")
+        check = t[numel - 1].clone()
+        t.zero_()  # zeros stay zeros however often they are summed
+    got = float(fetch(check))
+    if got != 4.0:
+        raise AssertionError(f"reduce_ over 4 procs gave {got}, expected 4.0")
+    te_reduce_s(procs, t, 1, inplace=False)  # warm-up both forms and gloo
+    base.all_reduce.call(numel, 1).get(timeout=GET_S)
+    runs: dict[str, list[float]] = {"reduce_inplace": [], "all_reduce": [], "reduce": [], "clone_all_reduce": []}
+    for _ in range(reps):
+        runs["reduce_inplace"].append(te_reduce_s(procs, t, m, inplace=True))
+        runs["all_reduce"].append(slowest(base.all_reduce.call(numel, m).get(timeout=GET_S)))
+        runs["reduce"].append(te_reduce_s(procs, t, m, inplace=False))
+        runs["clone_all_reduce"].append(slowest(base.all_reduce.call(numel, m, True).get(timeout=GET_S)))
+    return runs
+
+
 def fig_allreduce(quick: bool) -> dict[str, Any]:
     numel = 64 * 2**20 // 4
     m, reps = (3, 2) if quick else (8, 3)
@@ -251,27 +287,13 @@ def fig_allreduce(quick: bool) -> dict[str, Any]:
     procs, out["worker_threads"] = spawn({"gpu": 4})
     base_procs, base = spmd({"gpu": 4})
     try:
-        with procs.activate():
-            t = torch.ones(numel)
-            t.reduce_("gpu", "sum")
-            check = t[numel - 1].clone()
-            t.zero_()
-        if float(fetch(check)) != 4.0:
-            raise AssertionError(f"reduce_ over 4 procs gave {float(fetch(check))}, expected 4.0")
-        te_reduce_s(procs, t, 1, inplace=False)  # warm-up both forms and gloo
-        base.all_reduce.call(numel, 1).get(timeout=GET_S)
-        ins, outs, bases, clones = [], [], [], []
-        for _ in range(reps):  # taking turns
-            ins.append(te_reduce_s(procs, t, m, inplace=True))
-            bases.append(slowest(base.all_reduce.call(numel, m).get(timeout=GET_S)))
-            outs.append(te_reduce_s(procs, t, m, inplace=False))
-            clones.append(slowest(base.all_reduce.call(numel, m, True).get(timeout=GET_S)))
+        runs = allreduce_runs(procs, base, numel, m, reps)
     finally:
-        procs.stop().get(timeout=60)
+        close(procs)
         base_procs.stop().get(timeout=60)
-    out.update(reduce_inplace_s=min(ins), reduce_s=min(outs), all_reduce_s=min(bases), clone_all_reduce_s=min(clones),
-               reps_reduce_inplace_s=ins, reps_reduce_s=outs, reps_all_reduce_s=bases, reps_clone_all_reduce_s=clones,
-               load_after=load())
+    for name, values in runs.items():
+        out[f"{name}_s"], out[f"reps_{name}_s"] = min(values), values
+    out["load_after"] = load()
     out["inplace_over_all_reduce"] = out["reduce_inplace_s"] / out["all_reduce_s"]
     out["out_of_place_over_all_reduce"] = out["reduce_s"] / out["all_reduce_s"]
     out["out_of_place_over_clone_all_reduce"] = out["reduce_s"] / out["clone_all_reduce_s"]
