@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -58,6 +59,9 @@ from actormesh.spmd import setup_torch_elastic_env  # noqa: E402
 from bench._tensor_actors import BATCH, IN, LR, OUT as D_OUT, SPMDBench, ThreadProbe, make_mlp  # noqa: E402
 
 
+_names = itertools.count()
+
+
 def fetch(t: Any) -> Any:
     return te.fetch_shard(t).result(timeout=GET_S)
 
@@ -68,7 +72,9 @@ def load() -> float:
 
 def spawn(dims: dict[str, int]) -> tuple[Any, list[int]]:
     """Procs with one torch thread each (checked: returns each proc's thread count)."""
-    procs = this_host().spawn_procs(dims)
+    # a distinct name per mesh: the engine registry is keyed by proc-mesh name, and every
+    # unnamed mesh is "anon" (a later mesh would reach the first one's engine; see the report)
+    procs = this_host().spawn_procs(dims, name=f"tbench{next(_names)}")
     threads = [n for n, _ in procs.spawn("threads", ThreadProbe).threads.call().get(timeout=GET_S).values()]
     return procs, threads
 
