@@ -4,11 +4,11 @@ Three figures, each a ratio against a baseline measured in the same run:
 
 1. dispatch: ``t = t + 1`` on a 4x4 tensor inside ``procs.activate()`` on 4
    procs, N ops (20,000; 5,000 with --quick) until ``inspect(t)`` returns:
-   ops/s, best of 3 reps after a warm-up. The per-op split on the controller
+   ops/s, best of 3 reps (2 with --quick) after a warm-up. The per-op split on the controller
    (interception floor, dispatch, encode, send) and the worker's cost per op
    are measured in-process (see ``bench/_tensor_split.py``). ``--monarch``
-   runs the same loop under Monarch 0.7.0 in a subprocess (fewer ops: it is
-   ~40x slower) for the "x Monarch" ratio; goal >= 20x Monarch and >= 10,000 ops/s.
+   runs the same loop under Monarch 0.7.0 in a subprocess (2,000 ops, 1,000
+   with --quick: it is ~20-40x slower) for the "x Monarch" ratio; goal >= 20x Monarch and >= 10,000 ops/s.
 2. training: a 2-layer MLP (1024 -> 1024 -> 1024, batch 64 per rank) trained
    data-parallel on 2 procs written only with distributed tensors (forward,
    mse, backward, ``p.grad.reduce_("dp", "avg")`` under no_grad, SGD) vs the
@@ -37,7 +37,6 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -101,7 +100,8 @@ def slowest(values: Any) -> float:
 # --------------------------------------------------------------------------- 1. dispatch
 
 
-def ops_per_s(procs: Any, n: int) -> float:
+def ops_per_s(procs: Any, n: int) -> tuple[float, float]:
+    """(ops/s of ``n`` ops until inspect returns, the controller thread's CPU share of that time)."""
     with procs.activate():
         t = torch.zeros(4, 4)
     start = float(fetch(t)[0, 0])
