@@ -211,3 +211,23 @@ def test_slice_mesh_moves_only_the_selected_shards(procs):
         r = procs.rank_tensor("host").float() * 10 + procs.rank_tensor("gpu").float()
     second_row = te.slice_mesh(r, host=1).to_mesh(procs.slice(host=0))
     assert te.inspect(second_row, gpu=1).item() == 11.0
+
+
+def test_a_stopped_mesh_neither_breaks_other_meshes_nor_hides_its_own_end(procs):
+    import gc
+
+    from actormesh.errors import SupervisionError
+
+    gone = this_host().spawn_procs({"gpu": 2})
+    with gone.activate():
+        t = torch.ones(2)
+    assert te.inspect(t).tolist() == [1.0, 1.0]
+    gone.stop().get(timeout=60)
+    with pytest.raises(SupervisionError, match="cannot run"):
+        with gone.activate():
+            t + 1
+    del t
+    gc.collect()  # its delete is queued for a mesh that is gone
+    with procs.activate():
+        u = torch.ones(1) * 5
+    assert te.inspect(u).item() == 5.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import pickle
 import threading
 from typing import Any
 
@@ -63,6 +64,8 @@ class EngineClient:
         self._lock = threading.RLock()
         self._members: dict[int, Any] = {}
         self.seq = 0
+        #: why this mesh's engine can no longer run commands (its procs stopped), once known
+        self.gone: str | None = None
         # Objects alive now (torch and the program's setup) are not rescanned by the
         # cycle collector at every burst of op bookkeeping: ~2x cheaper dispatch.
         gc.freeze()
@@ -93,6 +96,8 @@ class EngineClient:
 
     def release(self, ref: int) -> None:
         """A handle died: free its shard at the next flush (list.append is atomic: GC-safe)."""
+        if self.gone is not None:
+            return
         self._deletes.append(ref)
         if len(self._deletes) >= FLUSH_EVERY:
             try:
@@ -103,6 +108,9 @@ class EngineClient:
     def flush(self) -> int:
         """Send what is queued; returns the batch number every proc will have run."""
         with self._lock:
+            if self.gone is not None:
+                self._pending, self._deletes = [], []
+                raise SupervisionError(f"the tensor commands for proc mesh {self.key} cannot run: {self.gone}")
             if not self._pending and not self._deletes:
                 return self.seq
             batch, self._pending = self._pending, []
@@ -112,9 +120,10 @@ class EngineClient:
             shapes, self._new_shapes = self._new_shapes, {}
             self.seq += 1
             try:
-                self.engine.run.broadcast(self.seq, shapes, batch)
+                self.engine.run.broadcast(self.seq, shapes, _encode(batch))
             except SupervisionError as exc:
-                raise SupervisionError(f"the tensor commands for proc mesh {self.key} cannot run: its tensor engine is gone ({exc})") from None
+                self.gone = f"its tensor engine is gone ({exc})"
+                raise SupervisionError(f"the tensor commands for proc mesh {self.key} cannot run: {self.gone}") from None
             return self.seq
 
     # -- asking a proc ------------------------------------------------------------------------
@@ -189,7 +198,20 @@ def client_for(procs: Any) -> EngineClient:
 
 def flush_all() -> None:
     for client in list(_clients.values()):
-        client.flush()
+        if client.gone is None:
+            try:
+                client.flush()
+            except SupervisionError:
+                pass  # that mesh is gone: an actor call to another mesh must not fail for it
+
+
+def _encode(batch: list[Any]) -> Any:
+    """Batches are plain data: the C pickler is ~2x faster than the general codec on
+    them; what it cannot pickle (a lambda in a remote call) goes through the codec."""
+    try:
+        return pickle.dumps(batch, protocol=5)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return batch
 
 
 def _before_cast(mesh: Any) -> None:

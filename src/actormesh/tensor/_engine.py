@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import threading
 import traceback
 from collections.abc import Callable
@@ -201,6 +202,8 @@ class TensorEngine(Actor):
     def run(self, seq: int, shapes: dict[int, Any], batch: list[tuple[Any, ...]]) -> None:
         """Run one batch of commands, in order (the controller's ``flush``)."""
         self.shapes.update(shapes)
+        if type(batch) is bytes:
+            batch = pickle.loads(batch)
         try:
             op, run_one = self._op, self._run_one
             with torch.no_grad():
