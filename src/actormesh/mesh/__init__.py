@@ -10,7 +10,7 @@ from ._proc_mesh import ProcMesh, proc_mesh_for, release_hosts, this_proc
 from ._singleton import get_or_spawn_controller, install_singleton_handler
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._value_mesh import ValueMesh
-from ._views import add_cast_hook, mesh_key, remove_cast_hook, root_view, shape_of, with_shape
+from ._views import add_cast_hook, addresses_of, mesh_key, remove_cast_hook, root_view, shape_of, with_shape
 
 __all__ = [
     "ActorMesh",
@@ -35,6 +35,7 @@ __all__ = [
     "Shape",
     "ValueMesh",
     "add_cast_hook",
+    "addresses_of",
     "remove_cast_hook",
     "mesh_key",
     "root_view",

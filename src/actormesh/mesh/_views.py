@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from ._shape import Shape
 
-__all__ = ["root_view", "shape_of", "with_shape", "mesh_key", "add_cast_hook", "remove_cast_hook", "run_cast_hooks"]
+__all__ = ["root_view", "shape_of", "with_shape", "mesh_key", "addresses_of", "add_cast_hook", "remove_cast_hook", "run_cast_hooks"]
 
 M = TypeVar("M")
 
@@ -34,6 +34,12 @@ def shape_of(mesh: Any) -> Shape:
 def with_shape(mesh: M, shape: Shape) -> M:
     """A view of ``mesh``'s root over ``shape`` (ranks index the root, as ``shape_of`` gives them)."""
     return mesh._new_with_shape(shape)  # type: ignore[attr-defined]
+
+
+def addresses_of(mesh: Any) -> list[str]:
+    """The proc address of each point of a mesh view, in row-major order."""
+    shape, addrs = mesh._shape, mesh._addresses
+    return [addrs[shape.rank_at(i)] for i in range(len(shape))]
 
 
 def mesh_key(mesh: Any) -> str:

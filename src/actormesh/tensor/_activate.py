@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._client import View, client_for
-from ._tensor import dispatch
+from ._tensor import Tensor, dispatch
 
 __all__ = ["activate", "get_active_mesh", "no_mesh", "active_view", "manual_seed"]
 
@@ -25,21 +25,17 @@ def active_view() -> View | None:
 
 
 class _EngineMode(TorchDispatchMode):
-    def __init__(self, view: View | None) -> None:
-        super().__init__()
-        self.view = view
+    """One per thread while any mesh is active; reads the active view at each op."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        view = self.view
-        if view is None:  # no_mesh: run locally (this mode is off the stack while it dispatches)
-            return func(*args, **(kwargs or {}))
-        return dispatch(func, args, kwargs or {}, view)
+
+#: Ops on local tensors that stay local inside activate(), as in Monarch (t.item(), unpickling).
+_LOCAL_OK = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.set_.source_Storage_storage_offset)
 
 
 def _mode_dispatch(self: _EngineMode, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-    view = self.view
-    if view is None:
-        return func(*args, **(kwargs or {}))
+    view = getattr(_tls, "view", None)
+    if view is None or (func in _LOCAL_OK and not isinstance(args[0], Tensor)):
+        return func(*args, **(kwargs or {}))  # no_mesh, or a local accessor: this mode is off the stack meanwhile
     return dispatch(func, args, kwargs or {}, view)
 
 
@@ -61,16 +57,23 @@ def manual_seed(seed: int) -> Any:
 @contextmanager
 def _activated(view: View | None) -> Iterator[None]:
     prev = getattr(_tls, "view", None)
+    outermost = not getattr(_tls, "depth", 0)
     _tls.view = view
+    _tls.depth = getattr(_tls, "depth", 0) + 1
     patched = torch.manual_seed is not manual_seed
     if patched:
         torch.manual_seed = manual_seed  # type: ignore[assignment]
         torch.random.manual_seed = manual_seed  # type: ignore[assignment]
+    mode = _EngineMode() if outermost else None
     try:
-        with _EngineMode(view):
-            yield
+        if mode is not None:
+            mode.__enter__()
+        yield
     finally:
+        if mode is not None:
+            mode.__exit__(None, None, None)
         _tls.view = prev
+        _tls.depth -= 1
         if patched:
             torch.manual_seed = _real_seed
             torch.random.manual_seed = _real_seed
@@ -88,9 +91,11 @@ def activate(procs: Any) -> Any:
 
 
 def get_active_mesh() -> Any:
-    """The proc mesh (view) activated in this thread, or None."""
+    """The proc mesh (view) activated in this thread; ValueError if none is (as Monarch)."""
     view = active_view()
-    return None if view is None else view.procs
+    if view is None:
+        raise ValueError("no device mesh is active: use `with procs.activate():`")
+    return view.procs
 
 
 class _NoMesh:

@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from ..errors import RemoteException, SupervisionError
-from ..mesh import add_cast_hook, mesh_key, root_view, shape_of
+from ..mesh import add_cast_hook, addresses_of, mesh_key, root_view, shape_of
 from ..runtime import Future
 
 __all__ = ["EngineClient", "View", "client_for", "flush_all", "FLUSH_EVERY"]
@@ -63,6 +63,7 @@ class EngineClient:
         self._new_shapes: dict[int, Any] = {}
         self._lock = threading.RLock()
         self._members: dict[int, Any] = {}
+        self.rank_of = {addr: r for r, addr in enumerate(addresses_of(self.root))}
         self.seq = 0
         #: why this mesh's engine can no longer run commands (its procs stopped), once known
         self.gone: str | None = None
@@ -214,9 +215,14 @@ def _encode(batch: list[Any]) -> Any:
         return batch
 
 
+#: The procs the actor message being encoded in this thread goes to (see _shard_ref).
+destination = threading.local()
+
+
 def _before_cast(mesh: Any) -> None:
     # An actor message: tensor commands issued before it run before it.
     if mesh_key(mesh) not in _engine_meshes:
+        destination.addresses = addresses_of(mesh)
         flush_all()
 
 

@@ -27,6 +27,7 @@ from ._tensor import Ref
 __all__ = ["TensorEngine", "Failed", "engine_for", "HANDLERS"]
 
 OP, CONST, DEL, SEED, RANK = 0, 1, 2, 3, 4
+PIN = 8  # (PIN, ref, ranks): an actor message carrying the shard goes to those procs
 
 #: Extra command kinds (collectives, remote functions, moves): kind -> fn(engine, cmd).
 HANDLERS: dict[int, Callable[[TensorEngine, tuple[Any, ...]], None]] = {}
@@ -92,6 +93,8 @@ class TensorEngine(Actor):
         self.done = 0
         self.cond = threading.Condition()
         self.extra: dict[str, Any] = {}  # state of HANDLERS (process groups, ...)
+        self.pins: dict[int, int] = {}  # ref -> actor messages yet to read it
+        self.doomed: set[int] = set()  # deleted by the controller while pinned
         torch.manual_seed(int.from_bytes(os.urandom(7), "little"))  # shards differ unless the program seeds
         # torch's import leaves ~10^5 objects for the cycle collector to rescan as
         # commands allocate: freezing them takes GC from ~9 us to ~1 us per op.
@@ -185,9 +188,18 @@ class TensorEngine(Actor):
             if self.member_index(cmd[3]) is not None:
                 self.table[cmd[1]] = cmd[2]
         elif kind == DEL:
-            pop = self.table.pop
+            pop, pins = self.table.pop, self.pins
             for r in cmd[1]:
+                if r in pins:
+                    with self.cond:
+                        if r in pins:  # an actor has yet to read it: the last unpin frees it
+                            self.doomed.add(r)
+                            continue
                 pop(r, None)
+        elif kind == PIN:
+            if self.rank in cmd[2]:
+                with self.cond:
+                    self.pins[cmd[1]] = self.pins.get(cmd[1], 0) + 1
         elif kind == SEED:
             if self.member_index(cmd[2]) is not None:
                 torch.manual_seed(cmd[1])
@@ -251,6 +263,18 @@ class TensorEngine(Actor):
             return p.failed
         except Exception as exc:
             return self.failure(op, exc, None)
+
+    def unpin(self, ref: int) -> None:
+        """An actor has read (or failed to read) a pinned shard (actor thread)."""
+        with self.cond:
+            left = self.pins.get(ref, 0) - 1
+            if left > 0:
+                self.pins[ref] = left
+                return
+            self.pins.pop(ref, None)
+            if ref in self.doomed:
+                self.doomed.discard(ref)
+                self.table.pop(ref, None)
 
     def wait_for(self, seq: int, timeout: float) -> None:
         """Block until batch ``seq`` has run (an actor message that carries shards)."""

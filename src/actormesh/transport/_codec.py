@@ -61,6 +61,17 @@ def _is_simple(obj: Any, depth: int = 2) -> bool:
 
 
 def _rebuild_tensor(buf: Any, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, param: bool) -> Any:
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        # a message decoded under a dispatch mode (inside the tensor engine's activate())
+        # is still a local tensor: rebuild it with torch's modes off
+        with _disable_current_modes():
+            return _build_tensor(buf, dtype_name, shape, requires_grad, param)
+    return _build_tensor(buf, dtype_name, shape, requires_grad, param)
+
+
+def _build_tensor(buf: Any, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, param: bool) -> Any:
     import torch
 
     dtype = getattr(torch, dtype_name)
