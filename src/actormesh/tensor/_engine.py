@@ -243,3 +243,4 @@ def _mutated_refs(name: str, args: Any) -> list[int]:
 # Command kinds beyond the core register themselves in HANDLERS when imported:
 # 5-9 collectives and moves, 10-19 remote functions and actor calls, 20-29 streams.
 # (imports at the end: those modules import this one)
+from . import _stream_worker  # noqa: E402,F401  (kinds 20-22: streams and borrows)
