@@ -50,7 +50,8 @@ tag: Stream | None = None
 live = False
 _access: dict[int, str] = {}  # storage root -> "r" / "" / "rw" (only storages in a borrow)
 _dropped_at: dict[int, str] = {}  # storage root of a dropped borrow -> where it was dropped
-_borrows_of: dict[int, set[Borrow]] = {}  # origin storage root -> its live borrows
+_borrows_of: dict[int, weakref.WeakSet[Borrow]] = {}  # origin storage root -> its live borrows
+_access_before: dict[int, str] = {}  # origin storage root -> its access before its first live borrow
 _aliases_of: dict[int, weakref.WeakSet[Any]] = {}  # borrowed storage root -> its handles
 _announced: dict[str, int] = {}  # engine client key -> id of the stream its workers run ops on
 
@@ -107,10 +108,13 @@ class Stream:
         else:
             r._stream = self
         _go_live()
-        b = Borrow(r, t, root, prev, origin, self, mutable)
+        b = Borrow(r, t, root, origin, self, mutable)
         _access[root] = "" if mutable else "r"
         _access[r._ref.id] = "rw" if mutable else "r"
-        _borrows_of.setdefault(root, set()).add(b)
+        if root not in _borrows_of:
+            _borrows_of[root] = weakref.WeakSet()
+            _access_before[root] = prev
+        _borrows_of[root].add(b)
         _aliases_of[r._ref.id] = weakref.WeakSet([r])
         t._view.client.record((BORROW, r._ref.id, t._ref.id, origin.id, self.id, t._view.sid))
         return r, b
@@ -119,9 +123,9 @@ class Stream:
 class Borrow:
     """A tensor lent to another stream; ``drop()`` (or leaving ``with borrow:``) ends it."""
 
-    def __init__(self, r: Any, t: Any, root: int, prev: str, origin: Stream, to: Stream, mutable: bool) -> None:
+    def __init__(self, r: Any, t: Any, root: int, origin: Stream, to: Stream, mutable: bool) -> None:
         self._tensor = r  # kept until the drop: the worker may need its failure then
-        self._origin_ref, self._origin_root, self._prev = t._ref.id, root, prev
+        self._origin_ref, self._origin_root = t._ref.id, root
         self._view = t._view
         self._from, self._to, self.mutable = origin, to, mutable
         self._dropped = False
@@ -156,10 +160,11 @@ class Borrow:
             live_.discard(self)
             if not live_:
                 del _borrows_of[self._origin_root]
-                if self._prev == "rw":
+                before = _access_before.pop(self._origin_root, "rw")
+                if before == "rw":
                     _access.pop(self._origin_root, None)
-                else:
-                    _access[self._origin_root] = self._prev
+                else:  # the origin is itself a borrowed tensor
+                    _access[self._origin_root] = before
 
     def __del__(self) -> None:
         if not getattr(self, "_dropped", True):
