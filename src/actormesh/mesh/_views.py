@@ -38,7 +38,11 @@ def with_shape(mesh: M, shape: Shape) -> M:
 
 def mesh_key(mesh: Any) -> str:
     """A name shared by a mesh and all its views, unique in this job."""
-    return getattr(mesh, "_mesh_name", None) or mesh._name
+    name = getattr(mesh, "_mesh_name", None)
+    if name:
+        return name
+    addresses = getattr(mesh, "_addresses", None)  # a proc mesh: its name is not unique ("anon" by default)
+    return f"{mesh._name}@{addresses[0]}" if addresses else mesh._name
 
 
 def add_cast_hook(hook: Callable[[Any], None]) -> None:

@@ -15,7 +15,7 @@ import itertools
 import threading
 from typing import Any
 
-from ..errors import RemoteException
+from ..errors import RemoteException, SupervisionError
 from ..mesh import add_cast_hook, mesh_key, root_view, shape_of
 from ..runtime import Future
 
@@ -62,6 +62,7 @@ class EngineClient:
         self._lock = threading.RLock()
         self._members: dict[int, Any] = {}
         self.seq = 0
+        self.dead: SupervisionError | None = None  # the engine's mesh was stopped or failed
 
     # -- recording ----------------------------------------------------------------------------
     def view(self, procs: Any) -> View:
@@ -101,8 +102,20 @@ class EngineClient:
             if dels:
                 batch.append((2, dels))
             shapes, self._new_shapes = self._new_shapes, {}
+            only_deletes = len(batch) == 1 and batch[0][0] == 2
+            if self.dead is not None:
+                if only_deletes:  # handles outliving their mesh: their storage went with the procs
+                    return self.seq
+                raise SupervisionError(f"tensor commands for mesh {self.key}, whose procs are gone: {self.dead}") from self.dead
+            try:
+                self.engine.run.broadcast(self.seq + 1, shapes, batch)
+            except SupervisionError as exc:
+                self.dead = exc
+                _forget(self)
+                if not only_deletes:
+                    raise
+                return self.seq
             self.seq += 1
-            self.engine.run.broadcast(self.seq, shapes, batch)
             return self.seq
 
     # -- asking a proc ------------------------------------------------------------------------
@@ -156,8 +169,21 @@ def client_for(procs: Any) -> EngineClient:
 
 
 def flush_all() -> None:
+    """Flush every engine (before an actor message). A dead mesh's error is kept
+    for its own next use, not raised into an unrelated actor call."""
     for client in list(_clients.values()):
-        client.flush()
+        try:
+            client.flush()
+        except SupervisionError:
+            pass
+
+
+def _forget(client: EngineClient) -> None:
+    # A stopped or failed mesh: drop the controller's state for it.
+    with _registry_lock:
+        if _clients.get(client.key) is client:
+            del _clients[client.key]
+        _engine_meshes.discard(mesh_key(client.engine))
 
 
 def _before_cast(mesh: Any) -> None:

@@ -29,6 +29,7 @@ OP, CONST, DEL, SEED, RANK = 0, 1, 2, 3, 4
 HANDLERS: dict[int, Callable[[TensorEngine, tuple[Any, ...]], None]] = {}
 
 _engines: dict[str, TensorEngine] = {}
+_engines_changed = threading.Condition()
 _ops: dict[str, Any] = {}
 
 
@@ -55,9 +56,17 @@ class Poisoned(Exception):
         self.failed = failed
 
 
-def engine_for(key: str) -> TensorEngine | None:
-    """This proc's engine for the mesh ``key`` (None if not spawned here)."""
-    return _engines.get(key)
+def engine_for(key: str, wait_s: float = 0.0) -> TensorEngine | None:
+    """This proc's engine for the mesh ``key`` (None if not spawned here).
+
+    ``wait_s``: how long to wait for one being spawned (an actor message can
+    arrive before the engine's ``__init__`` has run on this proc)."""
+    engine = _engines.get(key)
+    if engine is None and wait_s > 0:
+        with _engines_changed:
+            _engines_changed.wait_for(lambda: key in _engines, wait_s)
+        engine = _engines.get(key)
+    return engine
 
 
 def resolve_op(name: str) -> Any:
@@ -81,7 +90,9 @@ class TensorEngine(Actor):
         self.cond = threading.Condition()
         self.extra: dict[str, Any] = {}  # state of HANDLERS (process groups, ...)
         torch.manual_seed(int.from_bytes(os.urandom(7), "little"))  # shards differ unless the program seeds
-        _engines[key] = self
+        with _engines_changed:
+            _engines[key] = self
+            _engines_changed.notify_all()
 
     # -- argument resolution (hot path) ---------------------------------------------------
     def res(self, x: Any) -> Any:

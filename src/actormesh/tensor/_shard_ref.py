@@ -10,6 +10,8 @@ __all__ = ["shard_ref_for", "local_shard"]
 
 #: An actor message waits at most this long for the engine to catch up with it.
 WAIT_S = 600.0
+#: ... and this long for the engine to exist on its proc (spawned with the first activate()).
+SPAWN_WAIT_S = 30.0
 
 
 def shard_ref_for(t: Any) -> tuple[Any, ...]:
@@ -24,7 +26,7 @@ def local_shard(key: str, ref: int, seq: int) -> Any:
     """Unpickled on the receiving proc (in the actor's thread)."""
     from ._engine import Failed, engine_for
 
-    engine = engine_for(key)
+    engine = engine_for(key, SPAWN_WAIT_S)
     if engine is None:
         raise RuntimeError(f"a distributed tensor of mesh {key} was sent to an actor on a proc outside that mesh; "
                            "send it to actors spawned on the tensor's own procs, or move it with t.to_mesh()")
