@@ -180,3 +180,19 @@ def test_borrow_freed_without_drop_warns_and_drops(procs: Any) -> None:
         assert any("borrow.drop() must be called" in str(w.message) for w in caught)
         x.add_(1)  # permissions restored by the implicit drop
     assert torch.equal(T.inspect(x), torch.full((2,), 2.0))
+
+
+def test_borrow_state_is_per_mesh(spawn_procs: Any) -> None:
+    """Ref numbers are per mesh: a dropped borrow on one mesh says nothing of another's tensors."""
+    one, two = spawn_procs({"gpus": 1}), spawn_procs({"gpus": 1})
+    side = T.Stream("side")
+    with one.activate():
+        x = torch.ones(2)
+        b, borrow = side.borrow(x, mutable=True)
+        borrow.drop()
+    with two.activate():
+        theirs = [torch.ones(1) for _ in range(4)]
+    assert {t._ref.id for t in theirs} >= {x._ref.id, b._ref.id}  # the same numbers on the other mesh
+    with two.activate():
+        total = sum(t * 1 for t in theirs)  # none of them is BORROWED or DROPPED there
+    assert torch.equal(T.inspect(total), torch.full((1,), 4.0))

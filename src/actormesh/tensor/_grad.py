@@ -20,8 +20,9 @@ backward). Each node runs once, so the graph is freed as it goes (as with
 ``retain_graph=False``). One difference from a single backward: a hook
 registered on an intermediate tensor whose node is just past a stage's end
 runs when that stage ends (with the stage's part of the gradient) and again
-when its node runs in a later stage (with all of it); parameters' hooks run
-once. Like ``torch.autograd.grad``, nothing is
+when its node runs in a later stage (with all of it); a parameter's hooks run
+once per stage that sends it gradient (once, unless it is used in several
+places). Like ``torch.autograd.grad``, nothing is
 accumulated into ``.grad``; a tensor the roots do not depend on yields None.
 
 Stages run in the caller's context: the active mesh and stream where the

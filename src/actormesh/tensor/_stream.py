@@ -18,6 +18,9 @@ Permissions belong to a *storage*, not a handle: a view op's output records
 the storage root of its input (``alias``), so views of a borrowed tensor obey
 the same rules. All of this is checked here, on the controller, before the op
 is recorded; the workers only see three commands (``_stream_worker.py``).
+Code that records commands without ``dispatch`` (collectives, remote
+functions) keeps the rules by calling :func:`check` and :func:`announce` while
+``live`` is true.
 
 On the workers, streams are real ``torch.cuda.Stream``s when CUDA is present
 (a borrow makes the borrowing stream wait for the origin one; the drop makes
@@ -43,16 +46,19 @@ __all__ = ["Stream", "Borrow", "get_active_stream", "stream_of", "check", "alias
 SET_STREAM, BORROW, BORROW_DROP = 20, 21, 22
 
 _ids = itertools.count(1)
+_FRAMES = 8  # frames kept of where a borrow was made or dropped
 
 #: The stream new tensors join, or None for the main stream (read on every tensor made).
 tag: Stream | None = None
 #: True once a non-main stream was activated or a borrow made: ops are then checked.
 live = False
-_access: dict[int, str] = {}  # storage root -> "r" / "" / "rw" (only storages in a borrow)
-_dropped_at: dict[int, str] = {}  # storage root of a dropped borrow -> where it was dropped
-_borrows_of: dict[int, weakref.WeakSet[Borrow]] = {}  # origin storage root -> its live borrows
-_access_before: dict[int, str] = {}  # origin storage root -> its access before its first live borrow
-_aliases_of: dict[int, weakref.WeakSet[Any]] = {}  # borrowed storage root -> its handles
+# Storages are named (engine client key, root ref): ref numbers are per mesh.
+_Storage = tuple[str, int]
+_access: dict[_Storage, str] = {}  # "r" / "" / "rw", only for storages in a borrow
+_dropped_at: dict[_Storage, str] = {}  # a dropped borrow's storage -> where it was dropped
+_borrows_of: dict[_Storage, weakref.WeakSet[Borrow]] = {}  # origin storage -> its live borrows
+_access_before: dict[_Storage, str] = {}  # origin storage -> its access before its first live borrow
+_aliases_of: dict[_Storage, weakref.WeakSet[Any]] = {}  # a borrowed storage -> its handles
 _announced: dict[str, int] = {}  # engine client key -> id of the stream its workers run ops on
 
 
@@ -93,7 +99,7 @@ class Stream:
 
         if type(t) is not Tensor:
             raise TypeError(f"{self}.borrow: expected a distributed tensor (made inside `with mesh.activate():`), got {type(t).__name__}")
-        root = root_of(t)
+        root = storage_of(t)
         if t.dropped or root in _dropped_at:
             raise TypeError(f"{self}.borrow: DROPPED: this tensor (or the borrow it came from) was dropped and can no longer be used")
         prev = _access.get(root, "rw")
@@ -110,12 +116,12 @@ class Stream:
         _go_live()
         b = Borrow(r, t, root, origin, self, mutable)
         _access[root] = "" if mutable else "r"
-        _access[r._ref.id] = "rw" if mutable else "r"
+        _access[storage_of(r)] = "rw" if mutable else "r"
         if root not in _borrows_of:
             _borrows_of[root] = weakref.WeakSet()
             _access_before[root] = prev
         _borrows_of[root].add(b)
-        _aliases_of[r._ref.id] = weakref.WeakSet([r])
+        _aliases_of[storage_of(r)] = weakref.WeakSet([r])
         t._view.client.record((BORROW, r._ref.id, t._ref.id, origin.id, self.id, t._view.sid))
         return r, b
 
@@ -123,13 +129,13 @@ class Stream:
 class Borrow:
     """A tensor lent to another stream; ``drop()`` (or leaving ``with borrow:``) ends it."""
 
-    def __init__(self, r: Any, t: Any, root: int, origin: Stream, to: Stream, mutable: bool) -> None:
+    def __init__(self, r: Any, t: Any, root: _Storage, origin: Stream, to: Stream, mutable: bool) -> None:
         self._tensor = r  # kept until the drop: the worker may need its failure then
         self._origin_ref, self._origin_root = t._ref.id, root
         self._view = t._view
         self._from, self._to, self.mutable = origin, to, mutable
         self._dropped = False
-        self._frames = traceback.extract_stack()[:-2]
+        self._frames = traceback.extract_stack(limit=_FRAMES + 2)[:-2]
 
     @property
     def traceback_string(self) -> str:
@@ -149,9 +155,9 @@ class Borrow:
             return
         self._dropped = True
         r, self._tensor = self._tensor, None
-        rid = r._ref.id
-        self._view.client.record((BORROW_DROP, rid, self._origin_ref, self._from.id, self._to.id, self.mutable, self._view.sid))
-        _dropped_at[rid] = "".join(traceback.format_stack()[:-1])
+        rid = storage_of(r)
+        self._view.client.record((BORROW_DROP, r._ref.id, self._origin_ref, self._from.id, self._to.id, self.mutable, self._view.sid))
+        _dropped_at[rid] = "".join(traceback.format_stack(limit=_FRAMES + 1)[:-1])
         for alias_ in list(_aliases_of.pop(rid, ())):
             alias_.drop()
         _access.pop(rid, None)
@@ -189,9 +195,9 @@ def stream_of(t: Any) -> Stream:
     return t.__dict__.get("_stream", _main)
 
 
-def root_of(t: Any) -> int:
-    """The ref number naming ``t``'s storage (its own, or the tensor it is a view of)."""
-    return t.__dict__.get("_root") or t._ref.id
+def storage_of(t: Any) -> _Storage:
+    """The name of ``t``'s storage: its mesh and its own ref, or that of the tensor it is a view of."""
+    return (t._view.client.key, t.__dict__.get("_root") or t._ref.id)
 
 
 def _go_live() -> None:
@@ -220,8 +226,8 @@ def alias(src: Any, out: Any) -> None:
         return
     root = src.__dict__.get("_root") or ref.id
     out._root = root
-    if live:
-        handles = _aliases_of.get(root)
+    if live and _aliases_of:
+        handles = _aliases_of.get((src._view.client.key, root))
         if handles is not None:
             handles.add(out)
 
@@ -253,7 +259,7 @@ def check(func: Any, ins: list[Any], args: Any, kwargs: Any) -> None:
         if s is not active:
             problems.append(f"  input {i}: WRONG_STREAM: this tensor is on {s}, not the active {active}. Use "
                             f"`with stream.activate():` to switch streams, or move it with `{active.name}_stream.borrow(t)`")
-        root = d.get("_root") or t._ref.id
+        root = (d["_view"].client.key, d.get("_root") or t._ref.id)
         acc = _access.get(root)
         if acc is not None and "r" not in acc:
             problems.append(f"  input {i}: BORROWED: this tensor cannot be read because it is borrowed mutably by another "
@@ -263,10 +269,10 @@ def check(func: Any, ins: list[Any], args: Any, kwargs: Any) -> None:
             problems.append(f"  input {i}: DROPPED: tensor {t._ref.id} belongs to a borrow that was dropped; "
                             f"tensor {t._ref.id} is dropped at:\n{where}")
     for t in _written(func, args, kwargs):
-        acc = _access.get(root_of(t))
+        acc = _access.get(storage_of(t))
         if acc is not None and "w" not in acc:
             problems.append(f"  MUTATING_BORROW: this tensor would be mutated by {func} but it is read only because it is "
-                            f"being borrowed{_borrow_traces(root_of(t))}")
+                            f"being borrowed{_borrow_traces(storage_of(t))}")
     if problems:
         raise TypeError(f"Incorrect arguments to actormesh operation {func} (active stream: {active}):\n" + "\n".join(problems))
 
@@ -279,6 +285,6 @@ def announce(client: Any) -> None:
         client.record((SET_STREAM, sid))
 
 
-def _borrow_traces(root: int) -> str:
+def _borrow_traces(root: _Storage) -> str:
     lines = [f"\n  borrowed at (most recent call last):\n{b.traceback_string}" for b in _borrows_of.get(root, ())]
     return "".join(lines)
