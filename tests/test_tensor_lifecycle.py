@@ -87,9 +87,12 @@ def test_del_and_drop_free_remote_storage(procs: Any, probe: Any) -> None:
         a, b = torch.ones(3), torch.ones(3) * 2
     key, ra, rb = _key(a), a._ref.id, b._ref.id
     assert all(probe.has.call(key, ra).get(timeout=30).values())
+    client = b._view.client
+    seq = client.seq
     del a
     b.drop()
     assert b.dropped
+    assert client.seq == seq and {ra, rb} <= set(client._deletes)  # batched: nothing sent yet
     with procs.activate():
         sync = torch.zeros(1)
     probe.stats.call(key, sync).get(timeout=30)  # the deletes went with the flush before this call
