@@ -47,6 +47,7 @@ SET_STREAM, BORROW, BORROW_DROP = 20, 21, 22
 
 _ids = itertools.count(1)
 _FRAMES = 8  # frames kept of where a borrow was made or dropped
+_KEEP_DROPPED = 4096  # dropped borrows remembered for "dropped at" messages
 
 #: The stream new tensors join, or None for the main stream (read on every tensor made).
 tag: Stream | None = None
@@ -158,6 +159,8 @@ class Borrow:
         rid = storage_of(r)
         self._view.client.record((BORROW_DROP, r._ref.id, self._origin_ref, self._from.id, self._to.id, self.mutable, self._view.sid))
         _dropped_at[rid] = "".join(traceback.format_stack(limit=_FRAMES + 1)[:-1])
+        if len(_dropped_at) > _KEEP_DROPPED:  # only for messages: the handles themselves are dropped
+            del _dropped_at[next(iter(_dropped_at))]
         for alias_ in list(_aliases_of.pop(rid, ())):
             alias_.drop()
         _access.pop(rid, None)
