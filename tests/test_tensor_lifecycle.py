@@ -86,6 +86,7 @@ def test_del_and_drop_free_remote_storage(procs: Any, probe: Any) -> None:
     with procs.activate():
         a, b = torch.ones(3), torch.ones(3) * 2
     key, ra, rb = _key(a), a._ref.id, b._ref.id
+    probe.stats.call(key, b).get(timeout=30)  # (carrying b: runs after the engine made a and b)
     assert all(probe.has.call(key, ra).get(timeout=30).values())
     client = b._view.client
     seq = client.seq

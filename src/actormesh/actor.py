@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from . import config
 from .errors import ActorError, SupervisionError
-from .job import attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
+from .job import attach, attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
 from .mesh import (
     Accumulator,
     ActorMesh,
@@ -91,6 +91,7 @@ __all__ = [
     "Uid",
     "ValueMesh",
     "as_endpoint",
+    "attach",
     "attach_to_workers",
     "run_worker_loop_forever",
     "run_worker_loop_until_shutdown",

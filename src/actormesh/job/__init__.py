@@ -13,7 +13,7 @@ Example::
     job.kill()
 """
 
-from ._attach import attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
+from ._attach import attach, attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
 from ._current import CURRENT_JOB_FILE, hosts_from_config, load_current_job, set_current_job
 from ._errors import JobError
 from ._exec import exec_command
@@ -46,6 +46,7 @@ __all__ = [
     "exec_command",
     "PortForwarder",
     "shell",
+    "attach",
     "attach_to_workers",
     "run_worker_loop_forever",
     "run_worker_loop_until_shutdown",

@@ -18,7 +18,7 @@ from ..mesh import HostMesh, serve_agent, shutdown_requested
 from ..runtime import Future
 from ._controller import SECRET_ENV, credentials_from_env, runtime_with_secret, secret_from_env
 
-__all__ = ["run_worker_loop_forever", "start_worker_loop_forever", "run_worker_loop_until_shutdown", "attach_to_workers", "normalize_address"]
+__all__ = ["run_worker_loop_forever", "start_worker_loop_forever", "run_worker_loop_until_shutdown", "attach_to_workers", "attach", "normalize_address"]
 
 _TRUST_ALL = "trust_all_connections"
 
@@ -130,3 +130,35 @@ def attach_to_workers(*, workers: Sequence[Any], ca: str = _TRUST_ALL, name: str
     secret, tls = credentials_from_env("attach_to_workers")
     runtime_with_secret(secret, "attach_to_workers", tls=tls)
     return HostMesh(agents=addresses)
+
+
+def attach(addr: str) -> None:
+    """Route all of this client's traffic through the gateway at ``addr`` (Monarch's ``attach``).
+
+    For a client the job's procs cannot dial, e.g. one outside a Kubernetes
+    cluster: ``addr`` (``tcp://host:port``, ``unix:/path`` or ``ipc:///path``)
+    is a worker's address as this machine reaches it (typically the local end
+    of a port-forward to a worker started with :func:`run_worker_loop_forever`).
+    The client connects out to it once, authenticated with the job secret from
+    ``ACTORMESH_SECRET_FILE``; every message to the job's procs and every
+    message back travels over that one connection, relayed by that worker.
+    Call it first, before ``context()``, ``attach_to_workers()`` or any
+    spawn: afterwards it raises RuntimeError. Procs cannot be spawned on the
+    attached client's own machine (``this_host().spawn_procs()``); actors in
+    this process (``this_proc().spawn``) work. Example::
+
+        attach("tcp://127.0.0.1:26600")          # kubectl port-forward pod/worker-0 26600
+        hosts = attach_to_workers(workers=["tcp://worker-0.job:26600", "tcp://worker-1.job:26600"])
+    """
+    from ..runtime import attach_gateway, runtime_started
+
+    try:
+        address = normalize_address("unix:" + addr[len("ipc://"):] if isinstance(addr, str) and addr.startswith("ipc://") else addr)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"attach(): bad gateway address {addr!r}: expected 'tcp://HOST:PORT' (e.g. the local end of a "
+                        "port-forward to a worker), 'unix:/path' or 'ipc:///path'") from None
+    if runtime_started():
+        raise RuntimeError("attach() must be called before the first actor call or context() in this process: "
+                           "its actormesh runtime has started already. Call attach(addr) first thing.")
+    secret, tls = credentials_from_env("attach()")
+    attach_gateway(address, secret=secret, tls=tls)

@@ -192,12 +192,12 @@ def serve_agent(address: str, secret: bytes, controller: str | None = None, name
     With ``controller``, the agent dials it and announces itself (JOIN). With
     ``tls`` (a ``JobTLS``), its TCP channels and its procs' use mutual TLS.
     """
-    from ..runtime import ProcRuntime
-    from ..runtime import set_runtime
+    from ..runtime import ProcRuntime, serve_gateway, set_runtime
 
     transport = "unix" if address.startswith("unix:") else "tcp"
     rt = ProcRuntime(secret=secret, name=name or f"host-{socket.gethostname()}", listen_address=address, transport=transport, tls=tls)
     set_runtime(rt)
+    serve_gateway(rt)  # clients outside the job's network attach here (Monarch's attach())
     payload = dumps((HostAgent, (), {}))
     env = (M.SPAWN, AGENT_NAME, 0, (), (), None, None, AGENT_NAME, f"<host_agent@{rt.address}>", False)
     rt.send(rt.address, env, payload)

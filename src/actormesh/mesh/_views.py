@@ -38,11 +38,11 @@ def with_shape(mesh: M, shape: Shape) -> M:
 
 def mesh_key(mesh: Any) -> str:
     """A name shared by a mesh and all its views, unique in this job."""
-    name = getattr(mesh, "_mesh_name", None)
-    if name:
-        return name
-    addresses = getattr(mesh, "_addresses", None)  # a proc mesh: its name is not unique ("anon" by default)
-    return f"{mesh._name}@{addresses[0]}" if addresses else mesh._name
+    actor_mesh = getattr(mesh, "_mesh_name", None)
+    if actor_mesh is not None:
+        return actor_mesh
+    # proc mesh names repeat ("anon"); a proc belongs to one spawn, so its first proc tells them apart
+    return f"{mesh._name}@{mesh._addresses[0]}" if mesh._addresses else mesh._name
 
 
 def add_cast_hook(hook: Callable[[Any], None]) -> None:

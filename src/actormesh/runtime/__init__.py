@@ -15,10 +15,12 @@ from ._actor import (
     endpoint,
     endpoints_of,
 )
+from ._attached import attach_gateway
 from ._channel import Channel, Port, PortReceiver
 from ._cast import split
 from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, set_runtime, shutdown_context
 from ._future import Future
+from ._gateway import serve_gateway
 from ._ids import ChannelTransport, ProcId, Uid
 from ._returns_future import returns_future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
@@ -50,6 +52,8 @@ __all__ = [
     "set_runtime",
     "split",
     "enable_transport",
+    "attach_gateway",
+    "serve_gateway",
     "shutdown_context",
     "Future",
     "ChannelTransport",

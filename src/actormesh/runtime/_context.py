@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ._actor import Context, Instance, _context
 from ._proc import ProcRuntime
 
-__all__ = ["current_runtime", "runtime_started", "set_runtime", "context", "shutdown_context", "current_actor_name", "enable_transport"]
+__all__ = ["current_runtime", "runtime_started", "start_client", "set_runtime", "context", "shutdown_context", "current_actor_name", "enable_transport"]
 
 _runtime: ProcRuntime | None = None
 _client_context: Context | None = None
@@ -59,14 +60,25 @@ def current_runtime(*, secret: bytes | None = None, tls: Any = None) -> ProcRunt
     rt = _runtime
     if rt is not None:
         return rt
-    with _lock:
-        if _runtime is None:
-            rt = ProcRuntime(name="client", secret=secret, tls=tls)
-            set_runtime(rt)
-            _client_context.actor_instance._display = "<root>"  # type: ignore[union-attr]
-            atexit.register(_shutdown_at_exit)
+    start_client(lambda: ProcRuntime(name="client", secret=secret, tls=tls))
     assert _runtime is not None
     return _runtime
+
+
+def start_client(make: Callable[[], ProcRuntime]) -> ProcRuntime | None:
+    """Start the controller's runtime with ``make()`` unless one runs already.
+
+    Returns the new runtime, or None when this process's runtime had started
+    (then ``make`` is not called). ``make`` raising leaves no runtime behind.
+    """
+    with _lock:
+        if _runtime is not None:
+            return None
+        rt = make()
+        set_runtime(rt)
+        _client_context.actor_instance._display = "<root>"  # type: ignore[union-attr]
+        atexit.register(_shutdown_at_exit)
+        return rt
 
 
 def context() -> Context:

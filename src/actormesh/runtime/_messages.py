@@ -15,11 +15,12 @@ Layouts (index 0 is the kind):
 ``(sender, seq)`` of CALL and STOP_ACTOR are appended by ``ProcRuntime.send``
 (see _ordering.py); callers build the envelope without them.
 - STOP_PROC   (kind, reply)
-- HELLO       (kind, address, pid, error)
+- HELLO       (kind, address, pid, error[, relay])         ``relay`` asks a gateway to relay (see _gateway.py)
 - FAILURE     (kind, owner_actor, mesh_name, rank, cause, display, source_address)
 - SINGLETON   (kind, name, reply)                          get_or_spawn_controller lookup at the root
 - PING / PONG (kind,)                                      liveness probe from a spawner and its answer
 - JOIN        (kind, address, hostname, pid)               a host agent announces itself to a controller
+- RELAY_LOST  (kind, address, reason)                      gateway -> attached client: its leg to ``address`` is gone
 
 ``reply`` is a port reference ``(address, port_id)`` or None. ``owner`` is an actor
 reference ``(address, actor_name)``.
@@ -38,6 +39,7 @@ PONG = 9
 JOIN = 10
 CAST = 11
 REPLY_MULTI = 12
+RELAY_LOST = 13
 
 OK = 0
 ERROR = 1

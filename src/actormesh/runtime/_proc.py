@@ -21,6 +21,7 @@ from ..config import Config, get_config
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, connect, dumps, listen, new_secret
 from . import _messages as M
+from ._gateway import dial_plan, refuse_relay
 from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
 from ._lost import Lost, error_payload, payload_lost, reply_port
@@ -99,6 +100,7 @@ class ProcRuntime:
         self.on_peer_lost: list[Callable[[str, str], None]] = []
         self.on_join: list[Callable[[str, str, int], None]] = []
         self.on_hello: Callable[[Connection, Envelope], bool] | None = None
+        self.relay: Callable[[Connection, Envelope], None] = refuse_relay  #: a gateway's (runtime/_gateway.py)
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None
         self._listen_address = listen_address
@@ -193,15 +195,16 @@ class ProcRuntime:
 
     async def _dial(self, route: Route) -> None:
         try:
+            target, relay = dial_plan(route.address)  # a client's via name: dial its gateway
             conn = await connect(
-                route.address,
+                target,
                 self.secret,
                 on_frame=self._on_frame,
                 on_close=self._on_close,
                 max_frame_bytes=self.config.codec_max_frame_length,
                 handshake_timeout_s=self.config.handshake_timeout,
                 timeout_s=self.config.connect_timeout,
-                ssl_context=self._client_ssl if route.address.startswith("tcp:") else None,
+                ssl_context=self._client_ssl if target.startswith("tcp:") else None,
                 shm=self.shm,
             )
         except AuthenticationError as exc:
@@ -219,7 +222,7 @@ class ProcRuntime:
             self.peer_gone(route.address, f"the process at {route.address} is unreachable: {type(exc).__name__}: {exc}")
             return
         conn.tag = route.address
-        conn.send([pickle.dumps((M.HELLO, self.address, self.pid, self.hello_error), 5)])
+        conn.send([pickle.dumps((M.HELLO, self.address, self.pid, self.hello_error, *relay), 5)])
         route.publish(conn)
 
     def _on_connection(self, conn: Connection) -> None:
@@ -386,6 +389,8 @@ class ProcRuntime:
                 conn._abort(ProtocolError("no HELLO"))
                 return
             conn.tag = env[1]
+            if len(env) > 4:  # asks to be relayed: a gateway takes the connection over
+                return self.relay(conn, env)
             if self.on_hello is not None and self.on_hello(conn, env):
                 return
             r = self.route(env[1])

@@ -167,6 +167,10 @@ def spawn_children(
     """
     if commands is not None and len(commands) != len(names):
         raise ValueError(f"spawn_children: {len(commands)} commands for {len(names)} procs")
+    if getattr(runtime, "attached_via", None) is not None:  # children would dial it; it listens on nothing
+        from ._attached import LOCAL_SPAWN_REFUSED
+
+        raise RuntimeError(LOCAL_SPAWN_REFUSED.format(gateway=runtime.attached_via))
     _install_hello(runtime)
     from ..config import get_config
 

@@ -7,14 +7,17 @@ bring a shard back. This is the only layer that imports torch.
 
 from ._activate import activate, get_active_mesh, no_mesh
 from ._fetch import fetch_shard, inspect, show
+from ._process_group import RemoteProcessGroup
 from ._ranks import rank_tensor
 from ._coalescing import coalescing
 from ._grad import grad_function, grad_generator
 from ._opaque import OpaqueRef
+from ._reduce import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from ._selection import NDSlice, Selection
 from ._stream import Borrow, Stream, get_active_stream
 from ._tensor import Tensor
 
-__all__ = ["activate", "get_active_mesh", "no_mesh", "fetch_shard", "inspect", "show", "rank_tensor", "Tensor",
+__all__ = ["activate", "get_active_mesh", "no_mesh", "fetch_shard", "inspect", "show", "rank_tensor", "Tensor", "RemoteProcessGroup",
+           "reduce", "reduce_", "slice_mesh", "to_mesh", "MeshSliceTensor",
            "Stream", "Borrow", "get_active_stream", "grad_generator", "grad_function",
            "coalescing", "OpaqueRef", "NDSlice", "Selection"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -135,6 +136,37 @@ class Tensor(torch.Tensor):
             d["_view"].client.release(d["_ref"].id)
 
 
+_errors = threading.local()
+
+_BINARY = ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod", "rmod",
+           "pow", "rpow", "matmul", "rmatmul", "and", "rand", "or", "ror", "xor", "rxor", "lshift", "rlshift", "rshift",
+           "rrshift", "eq", "ne", "lt", "le", "gt", "ge", "iadd", "isub", "imul", "itruediv", "ipow")
+
+
+def _keep_error(name: str) -> Any:
+    """torch turns a TypeError inside a binary operator into NotImplemented, so Python
+    reports "unsupported operand"; re-raise the engine's own message instead."""
+    base = getattr(torch.Tensor, name)
+
+    def op(self: Tensor, other: Any) -> Any:
+        _errors.last = None
+        result = base(self, other)
+        if result is NotImplemented:
+            error = _errors.last
+            if error is not None:
+                _errors.last = None
+                raise error
+        return result
+
+    op.__name__ = name
+    return op
+
+
+for _name in _BINARY:
+    if hasattr(torch.Tensor, f"__{_name}__"):
+        setattr(Tensor, f"__{_name}__", _keep_error(f"__{_name}__"))
+
+
 def is_lift(func: Any) -> bool:
     return func in _LIFT
 
@@ -224,7 +256,9 @@ def _check(func: Any, scan: _Scan, ambient: Any) -> Any:
             break
     if scan.problems:
         lines = "\n".join(f"  {'arg ' + str(where) if isinstance(where, int) else where}: {what}" for where, what in scan.problems)
-        raise TypeError(f"Incorrect arguments to actormesh operation {func}:\n{lines}")
+        error = TypeError(f"Incorrect arguments to actormesh operation {func}:\n{lines}")
+        _errors.last = error
+        raise error
     return view
 
 
@@ -244,7 +278,11 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
     enc_args = tuple([enc(a, i) for i, a in enumerate(args)])
     enc_kwargs = {k: scan.enc(v, k) for k, v in kwargs.items()} if kwargs else kwargs
     if _stream.live:  # streams or borrows in use: their rules first (they explain DROPPED better)
-        _stream.check(func, scan.ins, args, kwargs)
+        try:
+            _stream.check(func, scan.ins, args, kwargs)
+        except TypeError as error:
+            _errors.last = error  # kept through binary operators (see _keep_error)
+            raise
     view = _check(func, scan, ambient)
     if _stream.live:
         _stream.announce(view.client)

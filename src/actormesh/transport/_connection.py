@@ -176,7 +176,6 @@ class Connection(asyncio.BufferedProtocol):
                 return
             self._abort(exc)
             return
-        on_frame = self._on_frame
         for frame in frames:
             if type(frame) is LostFrame:
                 log.warning("dropping the payload of a frame from %s: %s", self.peer_name, frame.error)
@@ -191,7 +190,7 @@ class Connection(asyncio.BufferedProtocol):
                     log.warning("closing connection from %s: %s", self.peer_name, exc)
                     self._abort(exc)
                     return
-            on_frame(self, frame)
+            self._on_frame(self, frame)  # read each time: a handler may rebind() mid-batch
 
     def _advance_handshake(self, nbytes: int) -> None:
         hs = self._handshake
@@ -336,6 +335,15 @@ class Connection(asyncio.BufferedProtocol):
         waiters, self._drain_waiters = self._drain_waiters, []
         for ev in waiters:
             ev.set()
+
+    def rebind(self, *, on_frame: FrameHandler, on_close: CloseHandler) -> None:
+        """Hand this connection's later frames and its close to new handlers (loop thread).
+
+        For a layer that learns from a first frame who owns the connection (a
+        gateway taking over a relayed leg): frames already handed over stay handled.
+        """
+        self._on_frame = on_frame
+        self._on_close = on_close
 
     def close(self) -> None:
         """Close after queued frames are written (thread-safe)."""
