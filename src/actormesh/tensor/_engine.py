@@ -33,6 +33,7 @@ PIN = 8  # (PIN, ref, ranks): an actor message carrying the shard goes to those 
 HANDLERS: dict[int, Callable[[TensorEngine, tuple[Any, ...]], None]] = {}
 
 _engines: dict[str, TensorEngine] = {}
+_engines_changed = threading.Condition()
 _ops: dict[str, Any] = {}
 
 
@@ -59,9 +60,17 @@ class Poisoned(Exception):
         self.failed = failed
 
 
-def engine_for(key: str) -> TensorEngine | None:
-    """This proc's engine for the mesh ``key`` (None if not spawned here)."""
-    return _engines.get(key)
+def engine_for(key: str, wait_s: float = 0.0) -> TensorEngine | None:
+    """This proc's engine for the mesh ``key`` (None if not spawned here).
+
+    ``wait_s``: how long to wait for one being spawned (an actor message can
+    arrive before the engine's ``__init__`` has run on this proc)."""
+    engine = _engines.get(key)
+    if engine is None and wait_s > 0:
+        with _engines_changed:
+            _engines_changed.wait_for(lambda: key in _engines, wait_s)
+        engine = _engines.get(key)
+    return engine
 
 
 def overload(name: str) -> Any:
@@ -99,7 +108,9 @@ class TensorEngine(Actor):
         # torch's import leaves ~10^5 objects for the cycle collector to rescan as
         # commands allocate: freezing them takes GC from ~9 us to ~1 us per op.
         gc.freeze()
-        _engines[key] = self
+        with _engines_changed:
+            _engines[key] = self
+            _engines_changed.notify_all()
 
     # -- argument resolution (hot path) ---------------------------------------------------
     def res(self, x: Any) -> Any:
@@ -326,3 +337,4 @@ def _mutated_refs(name: str, args: Any) -> list[int]:
 # (imports at the end: those modules import this one)
 from . import _reduce_worker  # noqa: E402,F401
 from . import _remote_worker  # noqa: E402,F401  (kinds 10-11, call_remote/propagate_remote endpoints)
+from . import _stream_worker  # noqa: E402,F401  (kinds 20-22: streams and borrows)

@@ -23,6 +23,8 @@ _tokens = itertools.count(1)
 
 #: An actor message waits at most this long for the engine to catch up with it.
 WAIT_S = 600.0
+#: ... and this long for the engine to exist on its proc (spawned with the first activate()).
+SPAWN_WAIT_S = 30.0
 
 
 def shard_ref_for(t: Any) -> tuple[Any, ...]:
@@ -57,7 +59,7 @@ def local_shard(key: str, ref: int, seq: int, pinned: int = 0) -> Any:
 def _read_shard(key: str, ref: int, seq: int) -> Any:
     from ._engine import Failed, engine_for
 
-    engine = engine_for(key)
+    engine = engine_for(key, SPAWN_WAIT_S)
     if engine is None:
         raise RuntimeError(f"a distributed tensor of mesh {key} was sent to an actor on a proc outside that mesh; "
                            "send it to actors spawned on the tensor's own procs, or move it with t.to_mesh()")

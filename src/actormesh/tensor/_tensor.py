@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import _stream
 from ._meta import _INPUT, _NEW, DataDependent, meta_of, propagate
 
 __all__ = ["Tensor", "Ref", "dispatch", "is_lift"]
@@ -66,6 +67,8 @@ class Tensor(torch.Tensor):
         r._view = view
         r._ref = Ref(view.client.new_ref())
         r._dropped = False
+        if _stream.tag is not None:  # made inside `with other_stream.activate():`
+            r._stream = _stream.tag
         return r
 
     @classmethod
@@ -77,6 +80,11 @@ class Tensor(torch.Tensor):
     def mesh(self) -> Any:
         """The proc mesh (view) this tensor lives on."""
         return self._view.procs
+
+    @property
+    def stream(self) -> Any:
+        """The stream this tensor belongs to (see :class:`actormesh.Stream`)."""
+        return _stream.stream_of(self)
 
     def drop(self) -> None:
         """Free the remote storage now; later use raises TypeError (DROPPED)."""
@@ -254,22 +262,30 @@ def _check(func: Any, scan: _Scan, ambient: Any) -> Any:
     return view
 
 
-_op_info: dict[Any, tuple[str, bool, bool]] = {}
+_op_info: dict[Any, tuple[str, bool, bool, int]] = {}
 
 
 def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
     """Record ``func(*args, **kwargs)`` on the mesh of its tensors (or ``ambient``)."""
     info = _op_info.get(func)
     if info is None:
-        info = _op_info[func] = (str(func), func in _LIFT, func.namespace == "profiler")
-    name, lift, local = info
+        info = _op_info[func] = (str(func), func in _LIFT, func.namespace == "profiler", _view_source(func))
+    name, lift, local, alias = info
     if local:
         return func(*args, **kwargs)  # record_function markers: local bookkeeping only
     scan = _Scan(lift)
     enc = scan.enc
     enc_args = tuple([enc(a, i) for i, a in enumerate(args)])
     enc_kwargs = {k: scan.enc(v, k) for k, v in kwargs.items()} if kwargs else kwargs
+    if _stream.live:  # streams or borrows in use: their rules first (they explain DROPPED better)
+        try:
+            _stream.check(func, scan.ins, args, kwargs)
+        except TypeError as error:
+            _errors.last = error  # kept through binary operators (see _keep_error)
+            raise
     view = _check(func, scan, ambient)
+    if _stream.live:
+        _stream.announce(view.client)
     if scan.lift:
         return _constant(view, enc_args[0])
     key = None
@@ -283,6 +299,8 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
     client = view.client
     if spec.single is not None:
         out = Tensor._make(spec.single, view)
+        if alias >= 0:
+            _stream.alias(args[alias], out)
         client.record((0, name, enc_args, enc_kwargs, (out._ref.id,), view.sid, _where()))
         return out
     leaves: list[Any] = []
@@ -290,6 +308,8 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
     for kind, what in spec.leaves:
         if kind == _NEW:
             t = Tensor._make(what, view)
+            if alias >= 0:
+                _stream.alias(args[alias], t)
             leaves.append(t)
             outs.append(t._ref.id)
         elif kind == _INPUT:
@@ -303,6 +323,16 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any], ambient: Any) -> Any:
     from torch.utils import _pytree as pytree
 
     return pytree.tree_unflatten(leaves, spec.treespec)
+
+
+def _view_source(func: Any) -> int:
+    """The position of the argument a view op's outputs alias (-1: not a view op)."""
+    schema = func._schema
+    outs = {a for r in schema.returns if r.alias_info is not None and not r.alias_info.is_write for a in r.alias_info.before_set}
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and not a.alias_info.is_write and outs & set(a.alias_info.before_set):
+            return i
+    return -1
 
 
 def _constant(view: Any, value: torch.Tensor) -> Tensor:
