@@ -231,3 +231,24 @@ def test_a_stopped_mesh_neither_breaks_other_meshes_nor_hides_its_own_end(procs)
     with procs.activate():
         u = torch.ones(1) * 5
     assert te.inspect(u).item() == 5.0
+
+
+def test_temporary_tensors_passed_to_actors_are_read_before_freed(procs):
+    from actormesh.actor import Actor, endpoint
+
+    class Counter(Actor):
+        def __init__(self) -> None:
+            self.n = 0.0
+
+        @endpoint
+        def incr(self, t) -> float:
+            self.n += float(t)
+            return self.n
+
+    counter = procs.spawn("counter", Counter)
+    with procs.activate():
+        calls = [counter.incr.call(torch.ones(())) for _ in range(30)]  # each handle dies at once
+        last = counter.incr.call(torch.ones(())).get(timeout=60)
+    for f in calls:
+        f.get(timeout=60)  # none failed with "not defined"
+    assert set(last.values()) == {31.0}
