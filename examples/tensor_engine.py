@@ -79,7 +79,7 @@ def train(mesh, steps: int = 8) -> None:
         torch.manual_seed(1)
         shift = dp.rank_tensor("dp").float()
         for step in range(steps):
-            x = torch.rand(32, 4 * 16).view(32, 4, 16)[:, 0] + 0.01 * shift  # a different batch per proc
+            x = torch.rand(32, 16) + 0.1 * shift  # a different batch per proc
             loss = torch.nn.functional.mse_loss(model(x).squeeze(1), x @ w_true)
             opt.zero_grad()
             loss.backward()

@@ -11,6 +11,7 @@ running FakeTensorMode costs ~300 us, so the cache is what makes dispatch cheap.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -32,6 +33,17 @@ _NEW, _INPUT, _VALUE = 0, 1, 2
 class DataDependent(Exception):
     """The op's result depends on tensor values (``.item()``, ``nonzero``): the
     controller cannot know it without asking a worker."""
+
+
+class _QuietWhilePropagating(logging.Filter):
+    """FakeTensorMode logs a full traceback for every op that fails shape checks;
+    here that failure is re-raised at the user's call site, so the log is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_local, "propagating", False)
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietWhilePropagating())
 
 
 def fake_mode() -> Any:
@@ -102,11 +114,14 @@ def propagate(func: Any, args: Any, kwargs: Any, inputs: list[Any], key: Any) ->
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     fa, fk, fakes = _fake_args(args, kwargs, inputs)
+    _local.propagating = True
     try:
         with fake_mode():
             out = func(*fa, **fk)
     except (DataDependentOutputException, DynamicOutputShapeException) as exc:
         raise DataDependent(str(exc)) from None
+    finally:
+        _local.propagating = False
     by_id = {id(f): i for i, f in enumerate(fakes) if f is not None}
     if isinstance(out, torch.Tensor) and id(out) not in by_id:
         spec = OutputSpec(None, [(_NEW, meta_of(out))])
