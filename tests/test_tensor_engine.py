@@ -252,3 +252,17 @@ def test_temporary_tensors_passed_to_actors_are_read_before_freed(procs):
     for f in calls:
         f.get(timeout=60)  # none failed with "not defined"
     assert set(last.values()) == {31.0}
+
+
+def test_a_reduce_whose_input_failed_on_one_proc_fails_everywhere_without_hanging(procs):
+    with procs.activate():
+        idx = procs.rank_tensor("gpu").reshape(1)
+        x = torch.ones(1, 3).index_select(0, idx)  # fails on gpu=1 only (index 1 of a size-1 dim)
+        s = x.reduce("gpu", "sum")
+        later = torch.ones(2).reduce("gpu", "sum")
+    assert te.inspect(x, host=0, gpu=0).tolist() == [[1.0, 1.0, 1.0]]
+    with pytest.raises(RemoteException, match="input failed on group rank"):
+        te.inspect(s, host=0, gpu=0)
+    with pytest.raises(RemoteException, match="index"):
+        te.inspect(s, host=1, gpu=1)
+    assert te.inspect(later, host=1, gpu=0).tolist() == [2.0, 2.0]

@@ -162,6 +162,22 @@ def agree_ok(pg: ProcessGroup, ok: bool) -> list[int]:
     return [i for i, flag in enumerate(every.tolist()) if not flag]
 
 
+def start_agree(pg: ProcessGroup, ok: bool) -> Callable[[], list[int]]:
+    """:func:`agree_ok` posted without waiting: returns the wait. Posted just before
+    the data collective on the same group, the two overlap instead of costing two
+    round trips one after the other (a member whose input failed then runs the data
+    collective on zeros, and everyone discards the result)."""
+    mine = torch.tensor([1 if ok else 0], dtype=torch.uint8)
+    every = torch.empty(pg.size(), dtype=torch.uint8)
+    work = _start(pg, "agree_ok (all_gather)", lambda: pg._allgather_base(every, mine))
+
+    def finish() -> list[int]:
+        _wait(pg, "agree_ok (all_gather)", lambda: work)
+        return [i for i, flag in enumerate(every.tolist()) if not flag]
+
+    return finish
+
+
 def exchange(
     groups: Groups,
     sends: Sequence[tuple[int, torch.Tensor]],

@@ -93,7 +93,7 @@ def reduce_tensor(t: Tensor, dims: Any, reduction: str = "sum", scatter: bool = 
         result = out
     else:
         result = Tensor._make(meta, view)
-    client.record((REDUCE, t._ref.id, result._ref.id, view.sid, dims, reduction, scatter, inplace, t._meta[4].type, _where()))
+    client.record((REDUCE, t._ref.id, result._ref.id, view.sid, dims, reduction, scatter, inplace, t._meta[4].type, _where(), t._meta[0], t._meta[3]))
     return result
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..runtime import current_runtime
-from ._collectives import agree_ok, collective, exchange
+from ._collectives import collective, exchange, start_agree
 from ._engine import HANDLERS, Failed, TensorEngine
 from ._groups import Groups, connect_store, group_ranks, start_store
 
@@ -70,7 +70,7 @@ def group_for(engine: TensorEngine, sid: int, dims: Any, device_type: str = "cpu
 
 
 def _on_reduce(engine: TensorEngine, cmd: tuple[Any, ...]) -> None:
-    _, src, dst, sid, dims, reduction, scatter, inplace, device_type, where = cmd
+    _, src, dst, sid, dims, reduction, scatter, inplace, device_type, where, size, dtype = cmd
     if engine.member_index(sid) is None:
         return
     outs = [dst, src] if inplace else [dst]
@@ -78,15 +78,23 @@ def _on_reduce(engine: TensorEngine, cmd: tuple[Any, ...]) -> None:
         pg, n = group_for(engine, sid, dims, device_type)
         value = engine.table.get(src)
         ok = isinstance(value, torch.Tensor)
-        bad = agree_ok(pg, ok)
+        agreed = start_agree(pg, ok)
+        # every member joins the data collective, a failed one with zeros of the same shape
+        data = value if ok else torch.zeros(size, dtype=dtype, device=_device(device_type))
+        result = collective(data, pg, n, reduction, scatter, inplace)
+        bad = agreed()
         if bad:
             failed = value if isinstance(value, Failed) else Failed(
                 engine.rank, f"reduce over {list(dims)}: the input failed on group rank(s) {bad}; fetch that input for its error", "", where)
             engine.fail(outs, failed)
             return
-        engine.table[dst] = collective(value, pg, n, reduction, scatter, inplace)
+        engine.table[dst] = result
     except Exception as exc:
         engine.fail(outs, engine.failure(f"reduce({reduction}, scatter={scatter}) over {list(dims)}", exc, where))
+
+
+def _device(device_type: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
 
 
 def _on_move(engine: TensorEngine, cmd: tuple[Any, ...]) -> None:
