@@ -327,8 +327,15 @@ def test_gateway_stops_the_procs_of_a_client_that_vanished(workers: Workers, tmp
             client.kill()
             client.wait(timeout=10)
 
+    def reaped_or_zombie(pid: int) -> bool:
+        # One psutil call per check: a process can exit between two of them.
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
     def gone() -> bool:
-        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+        return all(reaped_or_zombie(p) for p in pids)
 
     wait_for(gone, timeout=60, interval=0.05)
 

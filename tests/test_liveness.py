@@ -217,12 +217,16 @@ def test_exit_reports_say_what_happened():
 
 @pytest.mark.skipif(not proc_available(), reason="needs Linux /proc")
 def test_the_proc_reader_sees_sleeping_stopped_and_gone_processes():
-    p = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    # The child burns a measured amount of CPU before it sleeps: on an idle machine a bare
+    # interpreter start can use less than one clock tick, which /proc reports as 0.
+    burn = "import time; t = time.process_time(); exec('while time.process_time() - t < 0.05: pass'); print('up', flush=True); time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
+    tick = 1 / os.sysconf("SC_CLK_TCK")
     try:
         assert p.stdout is not None and p.stdout.readline() == b"up\n"
         wait_for(lambda: read_proc(p.pid, False).state == "S", 20)  # type: ignore[union-attr]  # asleep in sleep()
         s = read_proc(p.pid, True)
-        assert s is not None and s.runnable is False and s.rss_bytes and s.rss_bytes > 1 << 20 and s.cpu_s > 0
+        assert s is not None and s.runnable is False and s.rss_bytes and s.rss_bytes > 1 << 20 and s.cpu_s >= tick, s
         os.kill(p.pid, signal.SIGSTOP)
         wait_for(lambda: read_proc(p.pid, False).state == "T", 10)  # type: ignore[union-attr]
     finally:
