@@ -17,13 +17,13 @@ import pytest
 import actormesh.actor as am
 from actormesh.actor import ChannelTransport, Future, ProcId, Uid, enable_transport, returns_future
 
-# monarch.actor.__all__ in torchmonarch 0.7.0, less the tools issue's names
-# (debug_controller, get_meter, span, traced); see docs/compat.md.
+# monarch.actor.__all__ in torchmonarch 0.7.0, less the tools issue's debug_controller;
+# see docs/compat.md (get_meter, span, traced: tests/test_telemetry.py).
 MONARCH_ACTOR_NAMES = """Accumulator Actor ActorError current_actor_name as_endpoint current_rank current_size
 concurrent_endpoint endpoint Future Point ProcMesh ProcId Channel send shutdown_context ValueMesh
 get_or_spawn_controller this_host this_proc default_bootstrap_cmd HostMesh context Port PortReceiver Endpoint
 Extent run_worker_loop_forever attach_to_workers enable_transport Context ChannelTransport unhandled_fault_hook
-MeshFailure config Uid returns_future start_worker_loop_forever run_worker_loop_until_shutdown attach""".split()
+MeshFailure config Uid returns_future get_meter span traced start_worker_loop_forever run_worker_loop_until_shutdown attach""".split()
 
 
 def test_monarch_actor_names_exist_and_are_exported() -> None:

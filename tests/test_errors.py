@@ -468,6 +468,7 @@ def test_system_exit_in_endpoint_fails_the_actor(spawn_procs, faults):
 
 def test_init_exception_fails_calls_with_init_traceback_and_notifies_owner(spawn_procs, faults):
     procs = spawn_procs(per_host={"gpus": 2})
+    procs.initialized.get(timeout=T)  # time the failure's path, not the procs' start
     bad = procs.spawn("bad", BadInit)
     exc, took = _timed(lambda: bad.ping.call().get(timeout=T))
     assert isinstance(exc, SupervisionError), repr(exc)

@@ -199,6 +199,9 @@ def test_set_and_load_current_job(project: Path) -> None:
     assert isinstance(hosts_from_config("evals"), HostMesh)
     with pytest.raises(JobError, match="has no mesh 'nope'"):
         hosts_from_config("nope")
+    import actormesh.actor
+
+    assert actormesh.actor.hosts_from_config is hosts_from_config  # Monarch exports it from monarch.actor too
 
 
 @pytest.mark.parametrize(
@@ -272,7 +275,7 @@ def test_actormesh_shell_console_entry_uses_the_current_job(project: Path) -> No
     import subprocess
 
     set_current_job("myjobs.trainers")
-    code = "import sys; from actormesh.job._cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from actormesh.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "SHELL": "/bin/sh", "PYTHONPATH": os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code, "shell", "--mesh", "evals"], input="exit 5\n", capture_output=True, text=True,
                          timeout=90, cwd=project, env=env)
@@ -283,7 +286,7 @@ def test_actormesh_shell_console_entry_uses_the_current_job(project: Path) -> No
     import tomllib
 
     scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["actormesh"] == "actormesh.job._cli:main"
+    assert scripts["actormesh"] == "actormesh.cli:main"
 
 
 _SHELL_EOF = """

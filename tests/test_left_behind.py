@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+import actormesh.runtime._peers as peers_module
 import actormesh.runtime._proc as proc_module
 from actormesh.actor import Actor, endpoint, this_host
 from actormesh.runtime import current_runtime
@@ -67,7 +68,7 @@ def _left_behind(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.timeout(180)  # ~20 s on a lightly loaded 2-core machine (0.4 s a cycle); 70 s with 5 helpers sharing it
 def test_fifty_spawn_stop_cycles_leave_nothing_behind(monkeypatch):
-    monkeypatch.setattr(proc_module, "MAX_TOMBSTONES", 8)
+    monkeypatch.setattr(peers_module, "MAX_TOMBSTONES", 8)  # the tombstone bound lives with peer loss
     rt = current_runtime()
     _cycles(1)  # warm up what starts once (heartbeat, thread pools)
     wait_for(lambda: not psutil.Process().children(recursive=True) or all(p.status() == psutil.STATUS_ZOMBIE for p in psutil.Process().children(recursive=True)), timeout=T)

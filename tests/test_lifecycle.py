@@ -262,6 +262,47 @@ def test_async_cleanup_runs_with_none_on_stop(spawn_procs, tmp_path, faults):
     assert faults.failures == []
 
 
+class RankInCleanup(Actor):
+    """Writes ``current_rank()`` as seen inside ``__cleanup__`` to a file of its own."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    @endpoint
+    def ping(self) -> int:
+        return os.getpid()
+
+    def __cleanup__(self, exc: BaseException | None) -> None:
+        from actormesh.actor import current_rank
+
+        point = current_rank()
+        (self.directory / f"sync-{os.getpid()}-{point.rank}").write_text(repr(dict(point.extent)))
+
+
+class AsyncRankInCleanup(RankInCleanup):
+    @endpoint
+    async def ping(self) -> int:
+        return os.getpid()
+
+    async def __cleanup__(self, exc: BaseException | None) -> None:
+        from actormesh.actor import current_rank
+
+        point = current_rank()
+        (self.directory / f"async-{os.getpid()}-{point.rank}").write_text(repr(dict(point.extent)))
+
+
+@pytest.mark.parametrize("cls", [RankInCleanup, AsyncRankInCleanup], ids=["sync", "async"])
+def test_current_rank_inside_cleanup_is_the_actors_own(spawn_procs, tmp_path, faults, cls):
+    procs = spawn_procs(per_host={"gpus": 2})
+    a = procs.spawn("ranked", cls, str(tmp_path))
+    a.ping.call().get(timeout=T)
+    a.stop().get(timeout=T)
+    ranks = sorted(int(f.name.rsplit("-", 1)[1]) for f in tmp_path.iterdir())
+    assert ranks == [0, 1]
+    assert {f.read_text() for f in tmp_path.iterdir()} == {"{'gpus': 2}"}
+    assert faults.failures == []
+
+
 def test_cleanup_gets_the_error_when_the_actor_fails(spawn_procs, tmp_path, faults):
     procs = spawn_procs(per_host={"gpus": 1})
     a = procs.spawn("a", Cleaned, str(tmp_path))

@@ -361,6 +361,7 @@ def test_mesh_trait_operations():
     assert m.split(gpus=("a", "b"), b=2).sizes == {"hosts": 2, "a": 2, "b": 2}
     assert m.flatten("r").sizes == {"r": 8}
     assert m.rename(hosts="dp").sizes == {"dp": 2, "gpus": 4}
+    assert m._labels == ("hosts", "gpus") and m.slice(hosts=0)._labels == ("gpus",)  # Monarch's docs use _labels
     with pytest.raises(KeyError, match="cpus"):
         m.size("cpus")
     with pytest.raises(TypeError, match="cpus"):

@@ -185,8 +185,9 @@ def test_a_failing_actor_with_a_hanging_cleanup_reports_to_its_owner_first(spawn
     (failure,) = faults.wait(1, timeout=10)
     assert "broadcast failure with a hanging cleanup" in failure.report()
     # Its cleanup still ran (after the report), and hangs: nobody waits on it.
-    wait_for(lambda: (tmp_path / f"cleanup-began-{pid}").exists(), timeout=10)
-    assert "broadcast failure with a hanging cleanup" in (tmp_path / f"cleanup-began-{pid}").read_text()
+    marker = tmp_path / f"cleanup-began-{pid}"
+    # The file exists before its text is written: wait for the text, not the file.
+    wait_for(lambda: marker.exists() and "broadcast failure with a hanging cleanup" in marker.read_text(), timeout=10)
 
 
 @pytest.mark.timeout(90)

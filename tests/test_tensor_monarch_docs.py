@@ -104,3 +104,45 @@ def test_distributed_tensors_collectives_pipelining_and_ddp():
         assert monarch.inspect(model[0].weight, dp=3).shape == (4, 4)
     finally:
         mesh.stop().get(timeout=60)
+
+
+_MAIN_SCRIPT = """
+import torch
+import actormesh as monarch
+from actormesh.actor import Actor, endpoint, this_host
+
+class LinearActor(Actor):  # defined in __main__: a worker cannot import it by name
+    def __init__(self):
+        self.w = torch.ones(3, 3)
+
+    @endpoint(propagate=lambda x: x)
+    def forward(self, input):
+        return input @ self.w
+
+@monarch.remote
+def rank_plus(x):
+    return x + 1
+
+procs = this_host().spawn_procs(per_host={"gpus": 2})
+with procs.activate():
+    t = torch.ones(3, 3)
+linear = procs.spawn("linear", LinearActor)
+o = torch.relu(linear.forward.rref(t))
+with procs.activate():
+    r = rank_plus(o)
+print("value", float(monarch.inspect(r, gpus=1).sum()))
+procs.stop().get()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_classes_and_functions_of_the_users_script_reach_the_workers(tmp_path):
+    # The engine's fast batch encoding must not name ``__main__.X`` by reference.
+    import subprocess
+    import sys
+
+    script = tmp_path / "main_script.py"
+    script.write_text(_MAIN_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "value 36.0" in out.stdout  # relu(ones @ ones) = 3 everywhere, + 1, summed over 9

@@ -227,14 +227,14 @@ def test_an_unexpected_dial_error_fails_the_route_instead_of_stranding_it(monkey
     dial task dead and every message to that peer waiting forever."""
     import threading
 
-    from actormesh.runtime import _proc, current_runtime
+    from actormesh.runtime import _peers, current_runtime
 
     rt = current_runtime()
 
     async def broken_connect(*args, **kwargs):
         raise ValueError("negative file descriptor")
 
-    monkeypatch.setattr(_proc, "connect", broken_connect)
+    monkeypatch.setattr(_peers, "connect", broken_connect)  # dialing lives in _peers.py
     address = "tcp:127.0.0.1:9"
     lost = threading.Event()
     reasons: list[str] = []

@@ -26,8 +26,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import config
-from .errors import ActorError, SupervisionError
-from .job import attach, attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
+from .debug import debug_controller
+from .errors import ActorDiedError, ActorError, ActorUnreachableError, Cause, CauseKind, MeshStoppedError, SupervisionError
+from .job import attach, attach_to_workers, hosts_from_config, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
 from .mesh import (
     Accumulator,
     ActorMesh,
@@ -39,6 +40,8 @@ from .mesh import (
     ProcMesh,
     ValueMesh,
     as_endpoint,
+    concurrent_endpoint,
+    endpoint,
     default_bootstrap_cmd,
     get_or_spawn_controller,
     send,
@@ -57,15 +60,14 @@ from .runtime import (
     PortReceiver,
     ProcId,
     Uid,
-    concurrent_endpoint,
     context,
     current_actor_name,
     default_fault_hook,
     enable_transport,
-    endpoint,
     returns_future,
     shutdown_context,
 )
+from .telemetry import get_meter, span, traced
 
 __all__ = [
     "Accumulator",
@@ -88,11 +90,17 @@ __all__ = [
     "ProcId",
     "ProcMesh",
     "SupervisionError",
+    "ActorDiedError",
+    "ActorUnreachableError",
+    "MeshStoppedError",
+    "Cause",
+    "CauseKind",
     "Uid",
     "ValueMesh",
     "as_endpoint",
     "attach",
     "attach_to_workers",
+    "hosts_from_config",
     "run_worker_loop_forever",
     "run_worker_loop_until_shutdown",
     "start_worker_loop_forever",
@@ -104,13 +112,17 @@ __all__ = [
     "current_actor_name",
     "current_rank",
     "current_size",
+    "debug_controller",
     "enable_transport",
     "endpoint",
+    "get_meter",
     "get_or_spawn_controller",
     "send",
     "shutdown_context",
+    "span",
     "this_host",
     "this_proc",
+    "traced",
     "unhandled_fault_hook",
 ]
 

@@ -24,7 +24,11 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | shm_threshold_bytes     | 1 MiB      | message buffers this large go to same-host procs through shared memory; 0 = never |
 | shm_pool_bytes          | 1 GiB      | idle shared-memory message buffers a process keeps for reuse |
 | prefix_python_logs_with_actor | True | Python log messages made inside an actor start with ``[actor=<name>] `` |
+| debug_attach_timeout    | 60.0       | seconds an actor paused in ``breakpoint()`` waits without a debug console (none connected, or it quit) before it continues with a logged warning; also how long the console waits for a paused actor to answer one command (docs/debugging.md) |
 | rdma_disable_ibverbs    | True       | Monarch's RDMA backend switch. actormesh has no ibverbs backend: its buffers move over shared memory or TCP whatever the value, as Monarch's do on a host without ibverbs devices (``is_ibverbs_available()`` is False); settable and readable so Monarch programs run |
+| telemetry               | False      | collect the runtime's figures (messages, mailbox depth, latency, errors, restarts, bytes, RSS, CPU) and trace calls across procs (docs/telemetry.md) |
+| dashboard_port          | 0          | serve the dashboard (web page, JSON API, ``/metrics``) from the controller on this TCP port; 0 = off; implies ``telemetry`` (docs/dashboard.md) |
+| dashboard_host          | "127.0.0.1"| interface the dashboard binds to; anything but loopback requires the job's token |
 | rdma_allow_tcp_fallback | True       | Monarch's "fall back to TCP when ibverbs fails"; with no ibverbs backend TCP is always the path, so, like the key above, it is recorded and has no other effect |
 
 Example::
@@ -90,6 +94,10 @@ class Config:
     shm_threshold_bytes: int = 1 << 20
     shm_pool_bytes: int = 1 << 30
     prefix_python_logs_with_actor: bool = True
+    debug_attach_timeout: float = 60.0
+    telemetry: bool = False
+    dashboard_port: int = 0
+    dashboard_host: str = "127.0.0.1"
     # Monarch's RDMA backend keys, recorded only (see the table: no ibverbs backend here).
     rdma_disable_ibverbs: bool = True
     rdma_allow_tcp_fallback: bool = True
@@ -110,7 +118,7 @@ class Config:
 
 _TRANSPORTS = ("unix", "tcp")
 # Size keys where 0 means "off".
-_ZERO_DISABLES = frozenset({"shm_threshold_bytes"})
+_ZERO_DISABLES = frozenset({"shm_threshold_bytes", "dashboard_port"})
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|min|s|m|h|d)\s*")
 

@@ -7,9 +7,16 @@
     │                              ``except ValueError`` still catches a remote ValueError:
     │                              the instance is also an instance of the user's class.
     ├── RuntimeError
-    │   ├── SupervisionError       the actor (or its process) died or was stopped; the call
-    │   │                          may or may not have run. Names actor, rank and cause.
-    │   ├── MeshStoppedError(SupervisionError)  the mesh was stopped on purpose.
+    │   ├── SupervisionError       the actor a call waits on is gone or out of reach; the
+    │   │   │                      call may or may not have run. Names endpoint, actor,
+    │   │   │                      rank and cause (a Cause: its kind tells them apart).
+    │   │   ├── ActorDiedError     it died: its process exited, was killed by a signal or
+    │   │   │                      found hung (and killed), or the actor itself failed
+    │   │   │                      (raised in __init__ or a broadcast). It will not answer.
+    │   │   ├── ActorUnreachableError  it could not be reached: the connection broke and
+    │   │   │                      nothing better is known. It may still be alive, and
+    │   │   │                      the call may or may not have run.
+    │   │   └── MeshStoppedError   the mesh (or its proc mesh) was stopped on purpose.
     │   └── TransportError         the system failed to move bytes (connection lost,
     │       │                      peer unreachable, timed out connecting).
     │       ├── ProtocolError      the peer broke protocol: malformed or oversized frame.
@@ -21,18 +28,29 @@
 
 Lower layers raise the transport errors; the runtime translates them into
 SupervisionError at the boundary (``raise SupervisionError(...) from exc``).
+
+Failure causes travel as data: a :class:`Cause` is a ``str`` (the readable
+account, as before) that also carries a :class:`CauseKind` and the exit code or
+signal number, so callers can branch on ``err.cause.kind`` instead of parsing
+text. :func:`supervision_error` picks the SupervisionError subclass from it.
 """
 
 from __future__ import annotations
 
+import enum
 import types
 from typing import Any
 
 __all__ = [
     "ActorError",
     "RemoteException",
+    "Cause",
+    "CauseKind",
     "SupervisionError",
+    "ActorDiedError",
+    "ActorUnreachableError",
     "MeshStoppedError",
+    "supervision_error",
     "PortClosedError",
     "TransportError",
     "ProtocolError",
@@ -68,19 +86,151 @@ class ConfigError(ValueError):
     """A configuration key was unknown or its value had the wrong type."""
 
 
-class SupervisionError(RuntimeError):
-    """The actor a caller waits on failed or stopped; the call may or may not have run.
+class CauseKind(enum.Enum):
+    """What kind of failure a :class:`Cause` is."""
 
-    ``endpoint`` names the endpoint that was being called, when known.
+    #: The process exited by itself; ``Cause.code`` is its exit code.
+    EXITED = "exited"
+    #: The process was killed by a signal; ``Cause.signal`` is its number.
+    SIGNALED = "signaled"
+    #: Its spawner found the process hung, frozen (SIGSTOP: ``Cause.signal`` is
+    #: SIGSTOP's number) or unresponsive, and killed it.
+    HUNG = "hung"
+    #: The process could not be reached (connection lost, refused, timed out).
+    UNREACHABLE = "unreachable"
+    #: Stopped on purpose (``stop()``, a job shut down): not a failure.
+    STOPPED = "stopped"
+    #: The actor's own code raised (in ``__init__``, a broadcast endpoint, ``abort()``).
+    RAISED = "raised"
+
+
+#: Kinds by their wire number (append only: the position is what travels).
+_KINDS = list(CauseKind)
+
+
+class Cause(str):
+    """Why an actor or a process is gone: readable text that is also data.
+
+    It is a ``str`` (``"failed: Killed(sig=9)"``, a traceback...), so code that
+    prints or matches the text keeps working, and it carries ``kind`` (a
+    :class:`CauseKind`) plus ``code`` (EXITED) or ``signal`` (SIGNALED, a frozen
+    HUNG). Small on the wire: it pickles as its text, the kind's name and one int.
+
+    Example::
+
+        >>> c = Cause("the process exited with non-zero code 3", CauseKind.EXITED, code=3)
+        >>> c.kind, c.code, "code 3" in c
+        (<CauseKind.EXITED: 'exited'>, 3, True)
     """
 
-    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+    kind: CauseKind
+    code: int | None
+    signal: int | None
+    #: The lower-layer exception behind it, in the process that saw it (not sent
+    #: on): a SupervisionError made from this cause there has it as ``__cause__``.
+    error: BaseException | None
+
+    def __new__(
+        cls, text: str, kind: CauseKind, *, code: int | None = None, signal: int | None = None, error: BaseException | None = None
+    ) -> Cause:
+        self = super().__new__(cls, text)
+        self.kind = kind
+        self.code = code
+        self.signal = signal
+        self.error = error
+        return self
+
+    @classmethod
+    def of(cls, reason: str, kind: CauseKind = CauseKind.UNREACHABLE) -> Cause:
+        """``reason`` itself if it is a Cause, else a Cause of ``kind`` with its text."""
+        return reason if isinstance(reason, Cause) else cls(str(reason), kind)
+
+    def reworded(self, text: str) -> Cause:
+        """The same cause (kind, code, signal) told with ``text``."""
+        return Cause(text, self.kind, code=self.code, signal=self.signal, error=self.error)
+
+    @property
+    def died(self) -> bool:
+        """Whether the actor is gone for good (not merely unreachable or stopped)."""
+        return self.kind not in (CauseKind.UNREACHABLE, CauseKind.STOPPED)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        number = self.code if self.code is not None else self.signal
+        return (_cause, (str(self), _KINDS.index(self.kind), number))
+
+    def __repr__(self) -> str:
+        extra = f", code={self.code}" if self.code is not None else f", signal={self.signal}" if self.signal is not None else ""
+        return f"Cause({str(self)!r}, {self.kind}{extra})"
+
+
+def _cause(text: str, kind: int, number: int | None) -> Cause:
+    k = _KINDS[kind]
+    if k is CauseKind.EXITED:
+        return Cause(text, k, code=number)
+    return Cause(text, k, signal=number)
+
+
+class SupervisionError(RuntimeError):
+    """The actor a caller waits on failed, stopped or is out of reach; the call may
+    or may not have run.
+
+    ``endpoint`` names the endpoint that was being called, ``actor`` the member
+    (its qualified name), ``rank`` its rank in the mesh, ``cause`` the
+    :class:`Cause`; each is None when not known. The subclasses tell died,
+    unreachable and stopped apart; ``except SupervisionError`` catches all three.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        endpoint: str | None = None,
+        actor: str | None = None,
+        rank: int | None = None,
+        cause: Cause | None = None,
+    ) -> None:
         super().__init__(message)
         self.endpoint = endpoint
+        self.actor = actor
+        self.rank = rank
+        self.cause = cause
+
+
+class ActorDiedError(SupervisionError):
+    """The actor died: its process exited, was killed or was found hung (and killed),
+    or its own code failed it. It will not answer; a call in flight when it died
+    may have run partly. ``cause.kind`` says which."""
+
+
+class ActorUnreachableError(SupervisionError):
+    """The actor could not be reached (the connection broke, nothing better is
+    known): it may still be alive, and the call may or may not have run."""
 
 
 class MeshStoppedError(SupervisionError):
-    """The mesh was stopped on purpose; calls on it fail at once."""
+    """The mesh (or the proc mesh under it) was stopped on purpose; calls on it fail at once."""
+
+
+def supervision_error(
+    message: str,
+    cause: str | None,
+    *,
+    endpoint: str | None = None,
+    actor: str | None = None,
+    rank: int | None = None,
+) -> SupervisionError:
+    """The SupervisionError subclass that fits ``cause`` (a plain SupervisionError
+    when ``cause`` is not a :class:`Cause`)."""
+    if isinstance(cause, Cause):
+        cls: type[SupervisionError] = (
+            MeshStoppedError if cause.kind is CauseKind.STOPPED
+            else ActorUnreachableError if cause.kind is CauseKind.UNREACHABLE
+            else ActorDiedError
+        )
+        err = cls(message, endpoint=endpoint, actor=actor, rank=rank, cause=cause)
+        err.__cause__ = cause.error  # raise ... from the transport error, where it is known
+        return err
+    return SupervisionError(message, endpoint=endpoint, actor=actor, rank=rank)
 
 
 class PortClosedError(RuntimeError):

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--secret-file", default=os.environ.get("ACTORMESH_SECRET_FILE"), help="file holding the job secret (hex)")
     ap.add_argument("--controller", default=None, help="controller address to dial and announce this agent to")
     ap.add_argument("--print-address", action="store_true", help="print the listening address on stdout once ready")
+    ap.add_argument("--workspace-dir", help="where HostMesh.sync_workspace puts directories on this host (sets ACTORMESH_WORKSPACE_DIR)")
     ap.add_argument("--new-credentials", metavar="PATH", help="write a new credentials file (mode 0600) and exit")
     ap.add_argument("--tls", action="store_true", help="with --new-credentials: include TLS material (needs 'cryptography')")
     args = ap.parse_args(argv)
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.secret_file:
         raise SystemExit("a job secret is required: --secret-file PATH or ACTORMESH_SECRET_FILE")
     secret, tls = read_credentials(args.secret_file)
+    if args.workspace_dir:
+        os.environ["ACTORMESH_WORKSPACE_DIR"] = os.path.abspath(args.workspace_dir)  # procs inherit it
     from .mesh import serve_agent, shutdown_requested
 
     rt = serve_agent(args.address, secret, args.controller, tls=tls)

@@ -55,10 +55,14 @@ def main() -> None:
         if p not in sys.path:
             sys.path.insert(0, p)
 
+    from . import telemetry
     from .transport import JobTLS, loads
     from .runtime import STOP_MARGIN_S, _context, _spawn
     from .runtime._proc import ProcRuntime
     import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
+    from .debug import install_breakpoint_hook
+
+    install_breakpoint_hook()  # breakpoint() in an actor pauses it for the debug console
 
     hello_error = _pin_cpus()
     if spec["bootstrap"] and hello_error is None:
@@ -98,7 +102,7 @@ def main() -> None:
                 cell.thread.join(max(0.0, deadline - time.monotonic()))
             stop.set()
 
-        threading.Thread(target=run, name="actormesh-stop", daemon=True).start()
+        rt.threads.start(run, name="actormesh-stop")
 
     rt.on_stop_proc = on_stop_proc
 
@@ -114,6 +118,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     _spawn.kill_all_children(rt)
+    telemetry.flush()  # os._exit skips the exporters' atexit flush (no-op when telemetry is off)
     rt.release_files()  # os._exit skips every cleanup: remove our socket file now
     sys.stdout.flush()
     sys.stderr.flush()

@@ -13,8 +13,9 @@ Example::
     job.kill()
 """
 
+from ._applied import APPLIED_DIR, AppliedJob, applied_job, load_job, start_keeper
 from ._attach import attach, attach_to_workers, run_worker_loop_forever, run_worker_loop_until_shutdown, start_worker_loop_forever
-from ._current import CURRENT_JOB_FILE, hosts_from_config, load_current_job, set_current_job
+from ._current import CURRENT_JOB_FILE, hosts_from_config, job_from_spec, load_current_job, set_current_job
 from ._errors import JobError
 from ._exec import exec_command
 from ._job import Job, JobState, job_load, job_loads
@@ -31,6 +32,12 @@ __all__ = [
     "Job",
     "JobTrait",
     "JobError",
+    "AppliedJob",
+    "APPLIED_DIR",
+    "applied_job",
+    "load_job",
+    "start_keeper",
+    "job_from_spec",
     "JobState",
     "LocalJob",
     "ProcessJob",

@@ -27,7 +27,8 @@ CURRENT_JOB_FILE = os.path.join(".actormesh", "current_job")
 _SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+")
 
 
-def _import_spec(module_path: str) -> Job:
+def job_from_spec(module_path: str) -> Job:
+    """The Job at ``"package.module.attribute"``; JobError naming what is missing otherwise."""
     mod_name, attr = module_path.rsplit(".", 1)
     try:
         module = importlib.import_module(mod_name)
@@ -48,7 +49,7 @@ def set_current_job(module_path: str) -> None:
     """
     if not isinstance(module_path, str) or not _SPEC.fullmatch(module_path):
         raise ValueError(f"set_current_job() needs 'module.attribute' naming a Job, got {module_path!r}")
-    _import_spec(module_path)
+    job_from_spec(module_path)
     path = Path(CURRENT_JOB_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -57,18 +58,26 @@ def set_current_job(module_path: str) -> None:
 
 
 def load_current_job() -> Job:
-    """The job :func:`set_current_job` recorded for this directory, freshly imported.
+    """This directory's current job: the one ``actormesh apply`` started while its
+    keeper runs (an :class:`AppliedJob`, whose ``state()`` attaches to the running
+    hosts), else the one :func:`set_current_job` recorded, freshly imported.
 
-    Raises FileNotFoundError (saying what to do) when none was set.
+    Raises FileNotFoundError (saying what to do) when there is neither.
     """
+    from ._applied import applied_job
+
+    applied = applied_job()
+    if applied is not None:
+        return applied
     path = Path(CURRENT_JOB_FILE)
     try:
         module_path = path.read_text().strip()
     except FileNotFoundError:
-        raise FileNotFoundError(f"no current job: {path.resolve()} does not exist; call set_current_job('module.attribute') first") from None
+        raise FileNotFoundError(f"no current job: {path.resolve()} does not exist; run `actormesh apply job.py` "
+                                "or call set_current_job('module.attribute') first") from None
     if not _SPEC.fullmatch(module_path):
         raise JobError(f"{path.resolve()} holds {module_path!r}, not 'module.attribute'; call set_current_job() again")
-    return _import_spec(module_path)
+    return job_from_spec(module_path)
 
 
 def hosts_from_config(name: str) -> Any:

@@ -94,11 +94,18 @@ class ProcessJob(Job):
         self._waiter = JoinWaiter(rt)
         base = [self.python_exe, "-m", "actormesh.host", "--secret-file", secret_file, "--controller", ctrl]
         try:
-            self._agents = start_agents([(h, [*base, "--address", f"tcp:{h}:0"]) for h in hosts], self._job_dir, agent_env(self.env))
+            self._agents = start_agents([(h, [*base, "--address", f"tcp:{h}:0", *self._workspace_args(i)]) for i, h in enumerate(hosts)],
+                                        self._job_dir, agent_env(self.env))
         except OSError as exc:
             self._waiter.close()
             raise JobError(f"{self!r}: could not start host agents with {self.python_exe}: {exc}") from exc
         self._pids = [a.popen.pid for a in self._agents]
+
+    def _workspace_args(self, index: int) -> list[str]:
+        """Each host its own workspace root, as separate machines would have (unless ``env`` names one)."""
+        if "ACTORMESH_WORKSPACE_DIR" in self.env or self._job_dir is None:
+            return []
+        return ["--workspace-dir", os.path.join(self._job_dir, f"host-{index}", "workspace")]
 
     def _wait_state(self) -> JobState:
         agents, waiter = self._agents, self._waiter

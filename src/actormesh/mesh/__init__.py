@@ -5,11 +5,15 @@ from ._actor_mesh import ActorMesh
 from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, as_endpoint, send
 from ._bootstrap import BootstrapCommand, default_bootstrap_cmd
 from ._host_agent import serve_agent, shutdown_requested
+from ._logs import add_log_tap, remove_log_tap
 from ._host_mesh import HostMesh, this_host
 from ._proc_mesh import ProcMesh, proc_mesh_for, release_hosts, this_proc
 from ._singleton import get_or_spawn_controller, install_singleton_handler
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._value_mesh import ValueMesh
+from ._typed import EndpointProperty, concurrent_endpoint, endpoint
+from ._workspace import WorkspaceSync
+from ._workspace_store import WORKSPACE_ENV
 from ._views import add_cast_hook, addresses_of, mesh_key, remove_cast_hook, root_view, shape_of, with_shape
 
 __all__ = [
@@ -19,8 +23,12 @@ __all__ = [
     "NotAnEndpoint",
     "as_endpoint",
     "send",
+    "add_log_tap",
+    "remove_log_tap",
     "HostMesh",
     "serve_agent",
+    "WorkspaceSync",
+    "WORKSPACE_ENV",
     "shutdown_requested",
     "BootstrapCommand",
     "default_bootstrap_cmd",
@@ -34,6 +42,9 @@ __all__ = [
     "Point",
     "Shape",
     "ValueMesh",
+    "EndpointProperty",
+    "endpoint",
+    "concurrent_endpoint",
     "add_cast_hook",
     "addresses_of",
     "remove_cast_hook",

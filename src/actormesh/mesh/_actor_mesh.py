@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
+from ..errors import Cause, CauseKind, SupervisionError, supervision_error
 from ..runtime import EndpointProperty, Future, MeshRecord, RestartPolicy, current_runtime, stop_mesh
 from ._endpoint import Endpoint, NotAnEndpoint
 from ._shape import Extent, MeshTrait, Point, Shape
@@ -51,14 +52,19 @@ class ActorMesh(MeshTrait, Generic[T]):
             return NotAnEndpoint(self, name)
         raise AttributeError(f"actor mesh of {self._class.__qualname__} has no endpoint {name!r}")
 
-    def _status_problem(self, indices: list[int] | None = None) -> str | None:
+    def _status_error(self, what: str, indices: list[int] | None = None) -> SupervisionError | None:
+        """The error a call of ``what`` on these members fails with at once, if the
+        owner knows it cannot succeed: MeshStoppedError for a stopped mesh, the
+        failed member's error (ActorDiedError, ...) for a failed one; else None."""
         record = self._record
         if record is None:
             record = self._runtime().owned_meshes.get(self._mesh_name)
             if record is None:
                 return None
         if record.stopped is not None:
-            return f"The actor mesh {self._name} has status: stopped: {record.stopped}"
+            cause = Cause.of(record.stopped, CauseKind.STOPPED)
+            text = f"The actor mesh {self._name} has status: stopped: {record.stopped}"
+            return supervision_error(f"Endpoint call {what}() failed, {text}", cause, endpoint=what, actor=self._name)
         failed = record.failed
         if not failed:
             return None
@@ -67,7 +73,8 @@ class ActorMesh(MeshTrait, Generic[T]):
             g = shape.rank_at(i)
             if g in failed:
                 who = member_display(self._display, g, self._spawn_extent)
-                return f"The actor {who} and all its descendants have failed:\n  {failed[g]}"
+                text = f"The actor {who} and all its descendants have failed:\n  {failed[g]}"
+                return supervision_error(f"Endpoint call {what}() failed, {text}", failed[g], endpoint=what, actor=who, rank=i)
         return None
 
     def _member(self, rank: int) -> str:

@@ -10,13 +10,14 @@ wrong arguments and unpicklable values raise TypeError there.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ..errors import SupervisionError
 from ..config import get_config
-from ..runtime import Future, GatherPort, OnePort, Port, StreamPort, mark_if_self_call, messages as M, pick_random, split
+from ..runtime import Future, GatherPort, gather, OnePort, Port, StreamPort, mark_if_self_call, messages as M, pick_random, split
+from ..telemetry import STATE as _TELEMETRY
+from ..telemetry import call_context
 from ..transport import dumps
 from ._shape import Shape
 from ._value_mesh import ValueMesh
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Endpoint", "Accumulator", "send", "NotAnEndpoint", "as_endpoint"]
 
+P = ParamSpec("P")
 R = TypeVar("R")
 A = TypeVar("A")
 
@@ -34,8 +36,13 @@ A = TypeVar("A")
 _NO_ARGS = dumps(((), {}))
 
 
-class Endpoint(Generic[R]):
-    """An endpoint of an actor mesh (``mesh.method``), with the adverbs."""
+class Endpoint(Generic[P, R]):
+    """An endpoint of an actor mesh (``mesh.method``), with the adverbs.
+
+    Typed by the method it wraps: for ``def incr(self, by: int) -> int``,
+    ``mesh.incr.call_one(1)`` is a ``Future[int]`` and ``mesh.incr.call_one("x")``
+    is a type error.
+    """
 
     __slots__ = ("_mesh", "_prop")
 
@@ -54,13 +61,17 @@ class Endpoint(Generic[R]):
         self._prop.bind_check(args, kwargs)
         if _cast_hooks:
             run_cast_hooks(self._mesh)
+        if _TELEMETRY.tracing:
+            carried = call_context(self._what)  # the callee's endpoint span continues this trace
+            if carried is not None:
+                return dumps((args, kwargs, carried))
         if not args and not kwargs:
             return _NO_ARGS  # immutable bytes: safe to share between messages
         return dumps((args, kwargs))
 
-    def _dead(self) -> str | None:
-        """Why this mesh (view) cannot take calls, if the owner knows it cannot."""
-        return self._mesh._status_problem()
+    def _dead(self) -> SupervisionError | None:
+        """The error calls on this mesh (view) fail with, if the owner knows they cannot succeed."""
+        return self._mesh._status_error(self._what)
 
     def _tree(self, payload: list[Any], reply: tuple[str, int] | None) -> list[str]:
         """Cast to the whole view along a tree; return, per member, the address
@@ -103,12 +114,12 @@ class Endpoint(Generic[R]):
         shape, addrs = self._mesh._shape, self._mesh._addresses
         return [addrs[shape.rank_at(i)] for i in range(len(shape))]
 
-    def call(self, *args: Any, **kwargs: Any) -> Future[ValueMesh[R]]:
+    def call(self, *args: P.args, **kwargs: P.kwargs) -> Future[ValueMesh[R]]:
         """Call every member; the Future holds a ValueMesh of the replies."""
         payload = self._prepare(args, kwargs)
         problem = self._dead()
         if problem:
-            return Future._failed(SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what))
+            return Future._failed(problem)
         shape = self._mesh._shape
         result_shape = Shape.row_major(shape.labels, shape.sizes)
         rt = self._mesh._runtime()
@@ -124,14 +135,14 @@ class Endpoint(Generic[R]):
         mark_if_self_call(port.future, self._mesh._mesh_name, targets, self._what)
         return port.future
 
-    def call_one(self, *args: Any, **kwargs: Any) -> Future[R]:
+    def call_one(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call the only member of a one-member mesh (ValueError otherwise)."""
         n = len(self._mesh._shape)
         if n != 1:
             raise ValueError(f"call_one requires exactly 1 actor, but mesh has {n}")
         return self._one(0, args, kwargs)
 
-    def choose(self, *args: Any, **kwargs: Any) -> Future[R]:
+    def choose(self, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Call one member chosen uniformly at random."""
         n = len(self._mesh._shape)
         if n == 0:
@@ -140,26 +151,25 @@ class Endpoint(Generic[R]):
 
     def _one(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[R]:
         payload = self._prepare(args, kwargs)
-        problem = self._mesh._status_problem([index])
+        problem = self._mesh._status_error(self._what, [index])
         if problem:
-            return Future._failed(SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what))
+            return Future._failed(problem)
         mesh = self._mesh
         g = mesh._shape.rank_at(index)
         addr = mesh._addresses[g]
         rt = mesh._runtime()
-        port = OnePort(rt, self._what, addr, lambda _: mesh._member(g))
+        port = OnePort(rt, self._what, addr, lambda _: mesh._member(g), index)
         shape = mesh._shape
         rt.send(addr, (M.CALL, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes), payload)
         mark_if_self_call(port.future, mesh._mesh_name, (addr,), self._what)
         return port.future
 
-    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Future[R]]:
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> Iterator[Future[R]]:
         """Call every member; yield one Future per member, completed in arrival order."""
         payload = self._prepare(args, kwargs)
         problem = self._dead()
         if problem:
-            err = SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what)
-            futures = [Future._failed(err) for _ in range(len(self._mesh._shape))]
+            futures = [Future._failed(problem) for _ in range(len(self._mesh._shape))]
         else:
             targets = self._targets()
             port = StreamPort(self._mesh._runtime(), self._what, targets, self._describe)
@@ -169,12 +179,12 @@ class Endpoint(Generic[R]):
                 mark_if_self_call(f, self._mesh._mesh_name, targets, self._what)
         return iter(futures)
 
-    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+    def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Send to every member, expecting no reply. Errors go to the mesh's owner."""
         payload = self._prepare(args, kwargs)
         problem = self._dead()
         if problem:
-            raise SupervisionError(f"Endpoint call {self._what}() failed, {problem}", endpoint=self._what)
+            raise problem
         if self._use_tree():
             self._tree(payload, None)
             return
@@ -219,7 +229,7 @@ class NotAnEndpoint:
         raise AttributeError(name)
 
 
-def as_endpoint(method: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint[Any]:
+def as_endpoint(method: Any, *, propagate: Any = None, explicit_response_port: bool = False) -> Endpoint[..., Any]:
     """Call a plain (non-``@endpoint``) method of a mesh's actors as an endpoint.
 
     Example: ``as_endpoint(counters.helper).call(3)``. ValueError for anything
@@ -235,7 +245,7 @@ def as_endpoint(method: Any, *, propagate: Any = None, explicit_response_port: b
     return Endpoint(method._mesh, prop)
 
 
-def send(endpoint: Endpoint[Any], args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None = None, selection: str = "all") -> None:
+def send(endpoint: Endpoint[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None = None, selection: str = "all") -> None:
     """Low-level send: replies (one per member) go to ``port``; no port = broadcast."""
     endpoint._send(tuple(args), dict(kwargs), port, selection)
 
@@ -248,7 +258,7 @@ class Accumulator(Generic[R, A]):
         total = Accumulator(counters.value, 0, lambda acc, v: acc + v).accumulate().get()
     """
 
-    def __init__(self, endpoint: Endpoint[R], identity: A, combine: Callable[[A, R], A]) -> None:
+    def __init__(self, endpoint: Endpoint[..., R], identity: A, combine: Callable[[A, R], A]) -> None:
         self._endpoint = endpoint
         self._identity = identity
         self._combine = combine
@@ -256,28 +266,12 @@ class Accumulator(Generic[R, A]):
     def accumulate(self, *args: Any, **kwargs: Any) -> Future[A]:
         """Call every member now; the Future holds the folded result."""
         futures = list(self._endpoint.stream(*args, **kwargs))
-        result: Future[A] = Future._create()
         identity, combine = self._identity, self._combine
 
-        def fold() -> A:
+        def fold(values: list[Any]) -> A:
             acc = identity
-            for f in futures:
-                acc = combine(acc, f.get())
+            for v in values:
+                acc = combine(acc, v)
             return acc
 
-        if not futures:
-            result._set_result(identity)
-            return result
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def one_done(_: Any) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                result._set_thunk(fold)
-
-        for f in futures:
-            f._add_done_callback(one_done)
-        return result
+        return gather(futures, what="accumulate").then(fold)

@@ -52,6 +52,7 @@ class HostAgent(Actor):
         self.owners: dict[str, str] = {}
         self._pumps: dict[str, list[threading.Thread]] = {}
         self.shut_down = False
+        self._stores: dict[str, Any] = {}  # workspace root -> WorkspaceStore
         rt = current_runtime()
         rt.on_peer_lost.append(self._lost)
 
@@ -70,9 +71,7 @@ class HostAgent(Actor):
             self.events.pop(c.address, None)
             self.owners.pop(c.address, None)
         rt = current_runtime()
-        timeout = rt.config.stop_timeout
-        threading.Thread(target=lambda: stop_children(rt, orphans, timeout).get(timeout=timeout + 5),
-                         name="actormesh-orphan-stop", daemon=True).start()
+        stop_children(rt, orphans, rt.config.stop_timeout)  # bounded: it kills what is left at the deadline
 
     @endpoint
     def info(self) -> dict[str, Any]:
@@ -123,6 +122,39 @@ class HostAgent(Actor):
             self.owners.pop(c.address, None)
         stop_children(rt, children, timeout_s).get(timeout=timeout_s + 5)
 
+
+    # -- HostMesh.sync_workspace (see _workspace_store.py) ------------------------------------
+    def _store(self, dest: str | None) -> Any:
+        from ._workspace_store import WorkspaceStore, default_workspace_root
+
+        root = os.path.abspath(os.path.expanduser(dest)) if dest else default_workspace_root()
+        if root not in self._stores:
+            self._stores[root] = WorkspaceStore(root)
+        return self._stores[root]
+
+    @endpoint
+    def workspace_begin(self, dest: str | None, manifests: dict[str, Any]) -> tuple[str, list[str]]:
+        """Start receiving ``{name: manifest}`` into ``dest`` (default: this host's workspace root)."""
+        return self._store(dest).begin(manifests)
+
+    @endpoint
+    def workspace_put(self, dest: str | None, sid: str, digest: str, offset: int, data: bytes) -> None:
+        """One chunk of one content of session ``sid``."""
+        self._store(dest).put(sid, digest, offset, data)
+
+    @endpoint
+    def workspace_commit(self, dest: str | None, sid: str) -> dict[str, Any]:
+        """Swap the session's directories in; procs this agent starts later import from them."""
+        result = self._store(dest).commit(sid)
+        paths = [r["path"] for r in result.values()]
+        old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in paths]
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *old])
+        return result
+
+    @endpoint
+    def workspace_abort(self, dest: str | None, sid: str) -> None:
+        """Drop session ``sid`` and what it staged."""
+        self._store(dest).abort(sid)
 
     @endpoint
     def shutdown_host(self) -> None:

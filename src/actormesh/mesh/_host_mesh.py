@@ -12,13 +12,14 @@ only the owned mesh stops or shuts down the hosts (Monarch's rule).
 from __future__ import annotations
 
 import math
+import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime import CLIENT_NAME, ChildProc, Future, context, current_runtime, runtime_started, spawn_children
+from ..runtime import CLIENT_NAME, ChildProc, Future, context, current_runtime, gather, runtime_started, spawn_children, when_done
 from ..transport import dumps
 from ._bootstrap import BootstrapSpec, check_proc_bind, check_python, proc_commands
 from ._host_agent import agent_mesh
@@ -26,6 +27,8 @@ from ._logs import pump, sink
 from ._proc_mesh import ProcMesh, _event_port, _ProcMeshState, _remote_states, release_hosts
 from ._progress import progress
 from ._shape import Extent, MeshTrait, Point, Shape
+from ._workspace import DEFAULT_EXCLUDE, WorkspaceSync, resolve_dirs, sync_workspace
+from ._workspace_reload import WorkspaceReloader
 
 __all__ = ["HostMesh", "this_host"]
 
@@ -59,8 +62,19 @@ class HostMesh(MeshTrait):
         if not self._agents:
             return Future._completed(True)
         futs = [agent_mesh(self._agents[self._shape.rank_at(i)]).info.call_one() for i in range(len(self._shape))]
-        done: Future[bool] = Future._create()
-        threading.Thread(target=lambda: done._set_thunk(lambda: [f.get(timeout=60) for f in futs] and True), daemon=True).start()
+        rt = current_runtime()
+        return gather(futs, timeout_s=60, call_later=rt.loop_thread.call_later, what="host agents answering").then(lambda _: True)
+
+    def host_info(self) -> Future[list[dict[str, Any]]]:
+        """``hostname``, ``pid``, ``cpus`` and ``address`` of each host's agent, row-major.
+
+        For this host (no agent) one entry with this process's pid and ``address`` ``"local"``.
+        """
+        if not self._agents:
+            return Future.completed([{"hostname": socket.gethostname(), "pid": os.getpid(), "cpus": os.cpu_count(), "address": "local"}])
+        futs = [agent_mesh(self._agents[self._shape.rank_at(i)]).info.call_one() for i in range(len(self._shape))]
+        done: Future[list[dict[str, Any]]] = Future._create()
+        threading.Thread(target=lambda: done._set_thunk(lambda: [f.get(timeout=60) for f in futs]), daemon=True).start()
         return done
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -135,7 +149,7 @@ class HostMesh(MeshTrait):
 
         def stdio(child: ChildProc, out: Any, err: Any) -> None:
             who = f"{child.name.rsplit('-', 1)[-1]} {host}"
-            child.pumps = [pump(out, sink.line, who, "stdout"), pump(err, sink.line, who, "stderr")]  # type: ignore[attr-defined]
+            child.pumps = [pump(out, sink.line, who, "stdout"), pump(err, sink.line, who, "stderr")]
 
         children = spawn_children(rt, names, bootstrap=bootstrap, owner=owner, stdio=stdio, commands=commands)
         addresses = [c.address for c in children]
@@ -190,24 +204,83 @@ class HostMesh(MeshTrait):
         self._state.shut_down = True
         agents = list(self._agents or ())
         release_hosts(self, "its host mesh was shut down")  # deliberate: not a failure
+        rt = current_runtime()
         done: Future[None] = Future._create()
-        timeout = current_runtime().config.stop_timeout + 15
 
-        def run() -> None:
+        def end_agents() -> None:
+            # Runs where ``stopped`` completed (maybe the loop thread): it only sends.
+            error = stopped.exception(timeout=0)
+            if error is not None:
+                done._set_exception(error)
+                return
+            calls = [agent_mesh(a).shutdown_host.call_one() for a in agents]
+            # An agent exits right after answering: its loss is as good as its answer.
+            answered = gather(calls, timeout_s=rt.config.stop_timeout + 15, call_later=rt.loop_thread.call_later, what="host agents shutting down")
+            when_done(answered, lambda: done._set_result(None))
+
+        def guarded() -> None:
             try:
-                stopped.get(timeout=timeout)
-                for fut in [agent_mesh(a).shutdown_host.call_one() for a in agents]:
-                    try:
-                        fut.get(timeout=timeout)
-                    except Exception:  # the agent is gone (it exits right after answering): shut down
-                        pass
+                end_agents()
             except BaseException as exc:
                 done._set_exception(exc)
-                return
-            done._set_result(None)
 
-        threading.Thread(target=run, name="actormesh-host-shutdown", daemon=True).start()
+        when_done(stopped, guarded)
         return done
+
+    def sync_workspace(self, workspace: Any, conda: bool = False, auto_reload: bool = False, *, dest: str | None = None,
+                       exclude: Sequence[str] = DEFAULT_EXCLUDE) -> Future[WorkspaceSync]:
+        """Ship local directories to every host of this mesh (Monarch's name); see docs/sync.md.
+
+        ``workspace`` is a directory, a list of them, or an object with ``dirs``
+        (Monarch's ``Workspace``: a list, or a dict of local dir -> name). Each
+        lands on every host at ``<root>/<name>`` (``root``: ``dest``, else the
+        host's ``ACTORMESH_WORKSPACE_DIR``, else a node-local temp dir), receiving
+        only files whose content changed, swapped in atomically per directory.
+        Procs the hosts start afterwards have it on ``sys.path``; with
+        ``auto_reload`` the procs spawned through this mesh reload changed modules
+        before the Future completes. ``await`` it or ``.get()`` it. Example::
+
+            await hosts.sync_workspace(".", auto_reload=True)
+        """
+        if conda:
+            raise NotImplementedError("sync_workspace(conda=True) is not supported: install the environment on the hosts (or use with_python_executable)")
+        if isinstance(exclude, str):
+            raise TypeError(f"exclude must be a list of glob patterns, got the string {exclude!r}")
+        resolve_dirs(workspace)  # argument errors at the call site, not in the Future
+        agents = [self._agents[self._shape.rank_at(i)] for i in range(len(self._shape))] if self._agents else None
+        reload = self._reload_procs if auto_reload else None
+        done: Future[WorkspaceSync] = Future._create()
+
+        def run_now() -> None:
+            try:
+                done._set_result(sync_workspace(agents, workspace, dest=dest, exclude=tuple(exclude), reload=reload))
+            except BaseException as exc:
+                done._set_exception(exc)
+
+        threading.Thread(target=run_now, name="actormesh-sync-workspace", daemon=True).start()
+        return done
+
+    def _reload_procs(self, paths: dict[str, dict[str, str]], changed: dict[str, list[str]]) -> list[str]:
+        """Reload changed modules in every running proc spawned through this mesh (each with its host's paths)."""
+        with self._state.lock:
+            meshes = [m for m in self._state.proc_meshes if _running(m)]
+        calls = []
+        for pm in meshes:
+            reloaders = pm.spawn(f"workspace_reload_{os.urandom(4).hex()}", WorkspaceReloader)
+            flat, start = reloaders.flatten("rank"), 0
+            for agent, addrs in (pm._state.agents or [("local", pm._state.addresses)]):
+                part = flat.slice(rank=slice(start, start + len(addrs)))
+                calls.append((reloaders, part.reload.call(paths.get(agent, {}), changed)))
+                start += len(addrs)
+        names: set[str] = set()
+        try:
+            for _, fut in calls:
+                for mods in fut.get(timeout=120).values():
+                    names.update(mods)
+        finally:
+            for mesh in {id(r): r for r, _ in calls}.values():
+                mesh.stop().get(timeout=60)
+        return sorted(names)
 
     async def __aenter__(self) -> HostMesh:
         return self
@@ -229,26 +302,10 @@ def _reference(shape: Shape, agents: list[str] | None, python: str | None) -> Ho
 
 
 def _all_done(futures: list[Future[None]], timeout_s: float, what: str) -> Future[None]:
-    """One future for many; the first error wins. Waits at most ``timeout_s`` per future."""
-    done: Future[None] = Future._create()
-    if not futures:
-        done._set_result(None)
-        return done
-
-    def run() -> None:
-        error: BaseException | None = None
-        for fut in futures:
-            try:
-                fut.get(timeout=timeout_s)
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            done._set_exception(error)
-        else:
-            done._set_result(None)
-
-    threading.Thread(target=run, name=f"actormesh-host-{what}", daemon=True).start()
-    return done
+    """One future for many; the first error wins. Fails with TimeoutError if they
+    are not all done within ``timeout_s``."""
+    rt = current_runtime()
+    return gather(futures, timeout_s=timeout_s, call_later=rt.loop_thread.call_later, what=what).then(lambda _: None)
 
 
 _this_hosts: dict[int, HostMesh] = {}

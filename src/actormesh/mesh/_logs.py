@@ -15,7 +15,9 @@ import threading
 from collections import OrderedDict
 from typing import Any, TextIO
 
-__all__ = ["LogSink", "sink", "pump"]
+from ..runtime import Future
+
+__all__ = ["LogSink", "sink", "pump", "add_log_tap", "remove_log_tap"]
 
 _MAX_LINE = 4096
 
@@ -29,6 +31,8 @@ class LogSink:
         self._lock = threading.Lock()
         self._pending: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._timer: threading.Timer | None = None
+        #: Also called with every line, whatever the mode (the dashboard's log tail).
+        self.taps: list[Any] = []
 
     def configure(self, stream_to_client: bool, window_s: float | None) -> None:
         """Switch modes (flushes what was being aggregated)."""
@@ -41,6 +45,11 @@ class LogSink:
         """One line of output from proc ``who`` ("rank host") on "stdout"/"stderr"."""
         if len(text) > _MAX_LINE:
             text = text[:_MAX_LINE] + "...[truncated]"
+        for tap in tuple(self.taps):
+            try:
+                tap(who, stream, text)
+            except Exception:  # a broken tap must not stop the forwarding of output
+                pass
         out = sys.stdout if stream == "stdout" else sys.stderr
         with self._lock:
             if not self.stream_to_client:
@@ -82,8 +91,26 @@ def _write(out: TextIO, text: str) -> None:
 sink = LogSink()
 
 
-def pump(pipe: Any, deliver: Any, who: str, stream: str) -> threading.Thread:
-    """Read ``pipe`` line by line on a daemon thread, calling ``deliver(who, stream, line)``."""
+def add_log_tap(tap: Any) -> None:
+    """Also hand every forwarded line to ``tap(who, stream, text)`` (any thread; must not block)."""
+    sink.taps.append(tap)
+
+
+def remove_log_tap(tap: Any) -> None:
+    """Stop handing lines to ``tap`` (no-op if it was not added)."""
+    try:
+        sink.taps.remove(tap)
+    except ValueError:
+        pass
+
+
+def pump(pipe: Any, deliver: Any, who: str, stream: str) -> Future[None]:
+    """Read ``pipe`` line by line on a daemon thread, calling ``deliver(who, stream, line)``.
+
+    The thread ends when the pipe does (its process exited); the returned future
+    completes then, so its owner can wait for the last lines without a join.
+    """
+    drained: Future[None] = Future._create()
 
     def run() -> None:
         try:
@@ -96,7 +123,7 @@ def pump(pipe: Any, deliver: Any, who: str, stream: str) -> threading.Thread:
                 pipe.close()
             except OSError:
                 pass
+            drained._set_result(None)
 
-    thread = threading.Thread(target=run, name=f"log-{who}-{stream}", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=run, name=f"log-{who}-{stream}", daemon=True).start()
+    return drained

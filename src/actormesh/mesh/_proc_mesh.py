@@ -10,13 +10,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import SupervisionError
+from ..errors import Cause, CauseKind, MeshStoppedError
 from ..runtime import (
     CLIENT_NAME,
     Actor,
@@ -27,9 +26,11 @@ from ..runtime import (
     check_actor_class,
     context,
     current_runtime,
+    gather,
     messages as M,
     spawn_children,
     stop_children,
+    when_done,
 )
 from ..transport import dumps
 from ._actor_mesh import RESERVED_NAMES, ActorMesh, member_display
@@ -108,8 +109,7 @@ class ProcMesh(MeshTrait, TensorMethods):
                 inspect.signature(init).bind(None, *args, **kwargs)
             except TypeError as exc:
                 raise TypeError(f"bad arguments for {Class.__qualname__}.__init__: {exc}") from None
-        if self._state is not None and self._state.stopped is not None:
-            raise SupervisionError(f"cannot spawn on proc mesh {self._name}: it was stopped ({self._state.stopped})")
+        self._refuse_if_stopped(name)
         payload = dumps((Class, args, kwargs))
         rt = current_runtime()
         ctx = context()
@@ -151,27 +151,19 @@ class ProcMesh(MeshTrait, TensorMethods):
         mesh: ActorMesh[Any] = ActorMesh(Class, name, mesh_name, addresses, Shape.row_major(labels, sizes), prefix, extent, record, port.future)
         return mesh  # type: ignore[return-value]
 
+    def _refuse_if_stopped(self, name: str) -> None:
+        if self._state is not None and self._state.stopped is not None:
+            stopped = self._state.stopped
+            raise MeshStoppedError(f"cannot spawn on proc mesh {self._name}: it was stopped ({stopped})", actor=name,
+                                   cause=Cause.of(stopped, CauseKind.STOPPED))
+
     @property
     def initialized(self) -> Future[bool]:
         """Completes with True once every proc is up (raises if one failed to start)."""
         state = self._state
         if state is None or not state.children:
             return Future._completed(True)
-        children = state.children
-        fut: Future[bool] = Future._create()
-        lock = threading.Lock()
-        left = [len(children)]
-
-        def one(_: Any) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                fut._set_thunk(lambda: [c.ready.get() for c in children] and True)
-
-        for c in children:
-            c.ready._add_done_callback(one)
-        return fut
+        return gather([c.ready for c in state.children], what="initialized").then(lambda _: True)
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         """Stop every proc (actors' ``__cleanup__`` run, then the processes exit).
@@ -192,18 +184,21 @@ class ProcMesh(MeshTrait, TensorMethods):
                     record.stopped = reason
         rt = current_runtime()
         children = state.children
-        fut = stop_children(rt, children, rt.config.stop_timeout)
+        stopped = stop_children(rt, children, rt.config.stop_timeout)
         done: Future[None] = Future._create()
 
-        def flushed(_: Any) -> None:
-            # stop() flushes: the last lines of every proc are out before it completes.
-            for c in children:
-                for t in getattr(c, "pumps", ()):
-                    t.join(2.0)
-            sink.flush()
-            done._set_result(None)
+        def flush() -> None:
+            try:
+                sink.flush()
+            finally:
+                done._set_result(None)
 
-        fut._add_done_callback(lambda f: threading.Thread(target=flushed, args=(f,), daemon=True).start())
+        def drain() -> None:
+            # stop() flushes: the last lines of every proc are out before it completes.
+            pumps = [p for c in children for p in c.pumps]
+            when_done(gather(pumps, timeout_s=2.0, call_later=rt.loop_thread.call_later, what="reading the procs' last output"), flush)
+
+        when_done(stopped, drain)
         return done
 
     def _stop_remote(self, state: _ProcMeshState, reason: str) -> Future[None]:
@@ -213,23 +208,20 @@ class ProcMesh(MeshTrait, TensorMethods):
             for record in state.actor_records:
                 if record.stopped is None:
                     record.stopped = reason
-        futures = [(agent_mesh(agent).stop_procs.call_one(addrs, rt.config.stop_timeout), addrs) for agent, addrs in state.agents or []]
-        done: Future[None] = Future._create()
+        agents = state.agents or []
+        futures = [agent_mesh(agent).stop_procs.call_one(addrs, rt.config.stop_timeout) for agent, addrs in agents]
+        stopped = Cause("the proc was stopped", CauseKind.STOPPED)
 
-        def wait() -> None:
-            error: BaseException | None = None
-            for fut, addrs in futures:
-                try:
-                    fut.get(timeout=rt.config.stop_timeout + 10)
-                except BaseException as exc:  # the agent may be gone: its procs died with it
-                    error = error or exc
+        def gone() -> None:
+            # Whatever the agents answered (one may be gone: its procs died with it),
+            # the procs are gone on purpose now.
+            for _, addrs in agents:
                 for a in addrs:
-                    rt.loop.call_soon_threadsafe(lambda a=a: rt.peer_gone(a, "the proc was stopped", expected=True))
+                    rt.loop.call_soon_threadsafe(lambda a=a: rt.peer_gone(a, stopped, expected=True))
             sink.flush()
-            done._set_result(None)
 
-        threading.Thread(target=wait, name="actormesh-stop-remote", daemon=True).start()
-        return done
+        every = gather(futures, timeout_s=rt.config.stop_timeout + 10, call_later=rt.loop_thread.call_later, what="stopping remote procs")
+        return when_done(every, gone)
 
     async def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = 3, level: int = logging.INFO) -> None:
         """Forward every proc's stdout/stderr to this controller, prefixed with

@@ -339,6 +339,12 @@ class MeshTrait:
     def _new_with_shape(self: _M, shape: Shape) -> _M:
         raise NotImplementedError(f"{type(self).__name__} must implement _new_with_shape(shape) to support slicing")
 
+    @property
+    def _labels(self) -> tuple[str, ...]:
+        """The dimension names, in order. Monarch's spelling, kept because its docs
+        examples use it (``dict.fromkeys(procs._labels, 0)`` is the first point)."""
+        return tuple(self._shape.labels)
+
     def slice(self: _M, **kwargs: Union[int, slice]) -> _M:
         """Select along named dims; an int drops the dim, a slice keeps it: ``mesh.slice(hosts=0, gpus=slice(2, 4))``."""
         return self._new_with_shape(self._shape.slice(**kwargs))

@@ -71,6 +71,6 @@ def install_singleton_handler(rt: Any) -> None:
 
                 rt.reply(reply, 0, M.ERROR, dumps((exc, traceback.format_exc())))
 
-        threading.Thread(target=work, name="actormesh-singleton", daemon=True).start()
+        rt.threads.start(work, name="actormesh-singleton")  # it may block (a spawn): off the loop, owned by rt
 
     rt.on_singleton = on_singleton

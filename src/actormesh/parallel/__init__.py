@@ -27,14 +27,31 @@ Importing this package does not import torch (``actormesh.parallel.models`` does
 
 from ._apply import parallelize_chunk, world_mesh
 from ._auto import AutoPlan, auto_plan
+from ._generate import Sampler, StageLinks, StepPlan, StepRunner, sample_token
+from ._kv_cache import KVCache
 from ._partition import LayerCost, partition
 from ._pipeline import check_stages, equal_stages
 from ._plan import MESH_DIMS, Plan, PlanError
+from ._replica import build_chunk, check_inference_plan, check_weights, hidden_size_of, load_weights, read_weights, replica_stages, stage_links
 from ._tp import COLWISE_NAMES, ROWWISE_NAMES, default_tp_plan
 from ._trainer import Trainer, gather_state_dict, spawn_trainer
 
 __all__ = [
     "AutoPlan",
+    "KVCache",
+    "Sampler",
+    "StageLinks",
+    "StepPlan",
+    "StepRunner",
+    "sample_token",
+    "build_chunk",
+    "check_inference_plan",
+    "check_weights",
+    "hidden_size_of",
+    "load_weights",
+    "read_weights",
+    "replica_stages",
+    "stage_links",
     "parallelize_chunk",
     "world_mesh",
     "COLWISE_NAMES",

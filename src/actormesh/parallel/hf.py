@@ -134,6 +134,51 @@ class HFCausalLM(nn.Module):
             x = self.lm_head(x)
         return x
 
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, last: torch.Tensor | None = None) -> torch.Tensor:
+        """One generation pass over new tokens with a key/value cache (see ``actormesh.parallel.KVCache``).
+
+        ``x``: token ids ``[B, T]`` (or hidden states on a later pipeline
+        stage), ``positions[B, T]`` their positions, already bound to
+        ``cache`` with ``cache.bind``. ``last[B]``, if given, keeps only that
+        index of each row before the norm and head (the last stage's logits
+        are then ``[B, 1, vocab]``).
+        """
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        if any(b is not None for b in self.blocks):
+            position_embeddings = self.rotary_emb(x, positions)
+            masks = {kind: self._cache_mask(cache, kind) for kind in set(self.layer_types)}
+            for i, block in enumerate(self.blocks):
+                if block is not None:
+                    x = block(x, attention_mask=masks[self.layer_types[i]], position_ids=positions,
+                              past_key_values=cache, position_embeddings=position_embeddings)
+        if last is not None and self.norm is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window of sliding layers (None when every layer attends to all earlier tokens)."""
+        return getattr(self.config, "sliding_window", None) if "sliding_attention" in self.layer_types else None
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the rotary embedding was configured for (``max_position_embeddings``)."""
+        return int(self.config.max_position_embeddings)
+
+    def _cache_mask(self, cache: Any, kind: str) -> torch.Tensor | None:
+        if self.config._attn_implementation == "sdpa":
+            # boolean, True = attend: SDPA's own convention; None: HF's SDPA call sets is_causal itself
+            return cache.mask(kind, allow_causal=True)
+        mask = cache.mask(kind)
+        # eager (and other additive-mask kernels): 0 where visible, the dtype's minimum elsewhere
+        dtype = self.norm.weight.dtype if self.norm is not None else torch.float32
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
     def _masks(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         """HF's own masks for this config's attention implementation (None where SDPA's is_causal suffices)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

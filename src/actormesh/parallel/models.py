@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,15 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
+    def forward_cached(self, x: torch.Tensor, cache: Any, layer_idx: int) -> torch.Tensor:
+        """Attention of new tokens over the cached ones (``cache`` bound to this pass's rows)."""
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        k, v = cache.update(k, v, layer_idx)
+        mask = cache.mask("full_attention", allow_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
 
 class MLP(nn.Module):
     """``down(gelu(up(x)))``."""
@@ -93,6 +103,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: Any, layer_idx: int) -> torch.Tensor:
+        """:meth:`forward` with the attention reading and extending ``cache``."""
+        x = x + self.attn.forward_cached(self.attn_norm(x), cache, layer_idx)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -127,6 +142,30 @@ class GPT(nn.Module):
         if self.head is not None:
             x = self.head(x)
         return x
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, last: torch.Tensor | None = None) -> torch.Tensor:
+        """One generation pass with a key/value cache; same contract as ``HFCausalLM.forward_cached``."""
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(positions)
+        for i, block in enumerate(self.blocks):
+            if block is not None:
+                x = block.forward_cached(x, cache, i)
+        if last is not None and self.norm is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the position embedding covers (``seq_len``)."""
+        return self.config.seq_len
+
+    sliding_window = None  #: full attention in every block
 
 
 def gpt(vocab_size: int = 64, d_model: int = 32, n_heads: int = 4, n_blocks: int = 4, seq_len: int = 16, mlp_ratio: int = 4) -> GPT:

@@ -19,7 +19,7 @@ from ._attached import attach_gateway
 from ._channel import Channel, Port, PortReceiver
 from ._cast import split
 from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, set_runtime, shutdown_context
-from ._future import Future
+from ._future import Future, gather, when_done
 from ._gateway import serve_gateway
 from ._ids import ChannelTransport, ProcId, Uid
 from ._returns_future import returns_future
@@ -27,6 +27,7 @@ from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._selfwait import mark_if_self_call
 from ._spawn import ChildProc, spawn_children, stop_children
+from ._stats import gather_stats, stats_snapshot, telemetry_wanted
 from ._supervision import CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy, default_fault_hook, kill_proc, stop_mesh
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "serve_gateway",
     "shutdown_context",
     "Future",
+    "gather",
+    "when_done",
     "ChannelTransport",
     "ProcId",
     "Uid",
@@ -68,6 +71,9 @@ __all__ = [
     "ProcRuntime",
     "mark_if_self_call",
     "ChildProc",
+    "gather_stats",
+    "stats_snapshot",
+    "telemetry_wanted",
     "spawn_children",
     "stop_children",
     "CLIENT_NAME",

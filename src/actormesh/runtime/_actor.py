@@ -217,7 +217,9 @@ class MeshFailure:
     """A failure of a mesh the receiving actor owns (given to ``__supervise__``).
 
     ``mesh_name`` identifies the mesh (compare with ``mesh._name``), ``crashed_ranks``
-    the failed ranks, ``cause`` what happened (exit code, signal or traceback).
+    the failed ranks, ``cause`` what happened: a :class:`~actormesh.errors.Cause`,
+    text (exit code, signal, traceback) whose ``kind``, ``code`` and ``signal``
+    say the same as data.
     """
 
     mesh_name: str
@@ -235,7 +237,7 @@ class MeshFailure:
         return self.report()
 
     def __repr__(self) -> str:
-        return f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={self.crashed_ranks}, event={self.cause!r})"
+        return f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={self.crashed_ranks}, event={str(self.cause)!r})"
 
 
 class Instance:

@@ -36,12 +36,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ActorError, PortableException
+from ..errors import ActorError, Cause, CauseKind, PortableException
+from ..telemetry import FIGURES
+from ..telemetry import STATE as _TELEMETRY
 from ..transport import Segment, dumps, loads
 from . import _messages as M
 from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of
 from ._channel import Port
 from ._cell_async import _STOP, _SUPERVISE, AsyncCell, _DropPort
+from ._cell_figures import CellFigures, now
 from ._loop import new_event_loop
 
 log = logging.getLogger("actormesh.actor")
@@ -64,7 +67,7 @@ def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
         return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), formatted))
 
 
-class Cell(AsyncCell):
+class Cell(AsyncCell, CellFigures):
     """One actor instance and the thread that runs it."""
 
     def __init__(self, runtime: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
@@ -85,6 +88,8 @@ class Cell(AsyncCell):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._post_lock = threading.Lock()
         self._closed = False
+        #: This actor's counters when telemetry is on (docs/telemetry.md), else None.
+        self.figures = FIGURES.actor(name) if _TELEMETRY.on else None
         #: monotonic time by which a requested stop must be done (set by the loop thread).
         self.stop_deadline: float | None = None
         if is_async:
@@ -140,11 +145,11 @@ class Cell(AsyncCell):
         elif env[0] == _STOP and env[1] is not None:
             self.runtime.reply(env[1], env[3], M.OK, dumps(None))
 
-    def dead_text(self) -> str:
-        """What callers of this dead actor are told."""
+    def dead_text(self) -> Cause:
+        """What callers of this dead actor are told (STOPPED, or the failure's Cause)."""
         if self.status == "stopped":
-            return f"The actor {self.display} has status: stopped: {self.cause or 'stopped by client'}"
-        return f"The actor {self.display} and all its descendants have failed:\n  {self.cause}"
+            return Cause(f"The actor {self.display} has status: stopped: {self.cause or 'stopped by client'}", CauseKind.STOPPED)
+        return Cause.of(self.cause or "", CauseKind.RAISED).reworded(f"The actor {self.display} and all its descendants have failed:\n  {self.cause}")
 
     def stop(self, reply: tuple[str, int] | None, index: int = 0) -> None:
         """Stop after the messages already queued (loop thread); reply as ``index``.
@@ -247,23 +252,32 @@ class Cell(AsyncCell):
         reply, index = env[3], env[4]
         token = _message_rank.set((index, env[5], env[6]))
         explicit = False
+        fig, scope = self.figures, None
+        t0 = now() if fig is not None else 0.0
         try:
             prop = self._begin(env)
             explicit = prop.explicit_response_port
-            args, kwargs = loads(payload)
+            msg = loads(payload)  # (args, kwargs[, trace context])
+            args, kwargs = msg[0], msg[1]
+            if len(msg) > 2:  # the caller traced this call
+                scope = self._trace_scope(msg, env)
             if explicit:
                 port = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
                 prop._fn(self.instance, port, *args, **kwargs)
                 return
             result = prop._fn(self.instance, *args, **kwargs)
         except Exception as exc:
+            fig = scope = self._handled(fig, t0, scope, exc)  # counted before the caller hears
             self._handle_error(exc, reply, index, explicit)
             return
         except BaseException as exc:
+            fig = scope = self._handled(fig, t0, scope, exc)  # counted before the caller hears
             self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}", reply=(reply, index))
             return
         finally:
             _message_rank.reset(token)
+            if fig is not None or scope is not None:
+                self._handled(fig, t0, scope)
         if reply is not None:
             self._reply_value(reply, index, result)
 
@@ -276,6 +290,8 @@ class Cell(AsyncCell):
         self.runtime.reply(reply, index, M.OK, payload)
 
     def _handle_error(self, exc: BaseException, reply: Any, index: int, explicit: bool) -> None:
+        if self.figures is not None:
+            self.figures.errors += 1
         if reply is not None and not explicit:
             self.runtime.reply(reply, index, M.ERROR, _error_payload(exc))
             return
@@ -336,11 +352,14 @@ class Cell(AsyncCell):
         timer = threading.Timer(budget, overran)
         timer.daemon = True
         timer.start()
+        # A stop is not a message to one point: the cleanup sees the actor's own rank.
+        token = _message_rank.set(self.rank_raw)
         try:
             self.instance.__cleanup__(exc)
         except Exception:
             log.exception("__cleanup__ of %s raised", self.display)
         finally:
+            _message_rank.reset(token)
             timer.cancel()
             finish()
 
@@ -359,16 +378,16 @@ class Cell(AsyncCell):
         if self.status in ("failed", "stopped"):
             return
         self.status = "failed"
-        self.cause = cause.rstrip()
+        self.cause = Cause.of(cause, CauseKind.RAISED).reworded(cause.rstrip())
         owner = self.owner
         if owner is not None:
             self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display, self.runtime.address))
         if reply is not None and reply[0] is not None:
             self.runtime.reply(reply[0], reply[1], M.SUPERVISION, dumps(self.dead_text()))
         if run_cleanup and not self.is_async:
-            self._cleanup(RuntimeError(self.cause))
+            self._cleanup(RuntimeError(str(self.cause)))
         elif self.is_async:
-            threading.Thread(target=self._stop_owned, args=("its owner failed",), daemon=True).start()
+            self.runtime.threads.start(self._stop_owned, "its owner failed", name=f"actor-{self.display}-stop-owned")
 
 
 def install(runtime: Any) -> None:
@@ -379,6 +398,8 @@ def install(runtime: Any) -> None:
         old = runtime.actors.get(name)
         if old is not None and old.status == "failed":
             del runtime.actors[name]  # a restart replaces a failed member in place
+            if _TELEMETRY.on:
+                FIGURES.restarted(name)
         if name in runtime.actors:
             runtime.reply(env[6], env[2], M.SUPERVISION, dumps(f"an actor named {name!r} already exists on {runtime.address}"))
             return

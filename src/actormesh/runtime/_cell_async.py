@@ -15,9 +15,11 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import Cause, CauseKind
 from ..transport import Segment, dumps, loads
 from . import _messages as M
 from ._actor import MeshFailure, _message_rank, _overrides
+from ._cell_figures import now
 from ._channel import Port
 
 log = logging.getLogger("actormesh.actor")
@@ -94,25 +96,35 @@ class AsyncCell:
         reply, index = env[3], env[4]
         token = _message_rank.set((index, env[5], env[6]))
         explicit = prop.explicit_response_port
+        fig, scope = self.figures, None
+        t0 = now() if fig is not None else 0.0
         try:
-            args, kwargs = loads(payload)
+            msg = loads(payload)  # (args, kwargs[, trace context])
+            args, kwargs = msg[0], msg[1]
+            if len(msg) > 2:  # the caller traced this call
+                scope = self._trace_scope(msg, env)
             if explicit:
                 port = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
                 await prop._fn(self.instance, port, *args, **kwargs)
                 return
             result = await prop._fn(self.instance, *args, **kwargs)
         except Exception as exc:
+            fig = scope = self._handled(fig, t0, scope, exc)  # counted before the caller hears
             self._handle_error(exc, reply, index, explicit)
             return
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            fig = scope = self._handled(fig, t0, scope, exc)  # counted before the caller hears
             if reply is not None and not explicit:
-                self.runtime.reply(reply, index, M.SUPERVISION, dumps(f"The actor {self.display} stopped before the call finished"))
+                self.runtime.reply(reply, index, M.SUPERVISION, dumps(Cause(f"The actor {self.display} stopped before the call finished", CauseKind.STOPPED)))
             raise
         except BaseException as exc:
+            fig = scope = self._handled(fig, t0, scope, exc)  # counted before the caller hears
             self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}", reply=(reply, index))
             return
         finally:
             _message_rank.reset(token)
+            if fig is not None or scope is not None:
+                self._handled(fig, t0, scope)
         if reply is not None:
             self._reply_value(reply, index, result)
 
@@ -143,9 +155,13 @@ class AsyncCell:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.cleanup_budget())
         exc = RuntimeError(str(failure)) if failure is not None else None
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_owned, "its owner stopped")
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._stop_owned, "its owner stopped")
+        except RuntimeError:  # interpreter shutdown (atexit): no executor threads any more
+            self._stop_owned("its owner stopped")
         if self.instance is not None and _overrides(type(self.instance), "__cleanup__"):
             budget = self.cleanup_budget()
+            _message_rank.set(self.rank_raw)  # this task's context: the cleanup sees the actor's own rank
             try:
                 result = self.instance.__cleanup__(exc)
                 if inspect.isawaitable(result):

@@ -13,10 +13,10 @@ import asyncio
 import math
 import threading
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Future"]
+__all__ = ["Future", "gather", "when_done"]
 
 R = TypeVar("R")
 
@@ -245,3 +245,81 @@ class Future(Generic[R]):
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _VALUE: "done", _THUNK: "done", _ERROR: "failed"}[self._state]
         return f"<Future {state}>"
+
+
+#: ``call_later(delay_s, fn)``: run ``fn`` once after ``delay_s`` seconds, callable
+#: from any thread (e.g. ``runtime.loop_thread.call_later``).
+Scheduler = Callable[[float, Callable[[], None]], Any]
+
+
+def gather(
+    futures: Iterable[Future[Any]],
+    *,
+    timeout_s: float | None = None,
+    call_later: Scheduler | None = None,
+    what: str = "gather",
+) -> Future[list[Any]]:
+    """One future for many: done when every one is done, with their values in order.
+
+    Its error, if any, is the first error in order (every future is waited for
+    first, so nothing still runs when it fails). With ``timeout_s`` (and a
+    ``call_later`` to keep time with), it fails with ``TimeoutError`` if they are
+    not all done by then; the futures themselves go on. No thread waits: the
+    last future to complete (or the timer) completes it, on its own thread.
+
+    Example::
+
+        sizes = gather([a.size.call_one(), b.size.call_one()]).then(sum)
+    """
+    futures = list(futures)
+    out: Future[list[Any]] = Future._create()
+    if timeout_s is not None:
+        if call_later is None:
+            raise ValueError("gather(timeout_s=...) needs call_later to keep time with")
+        if not (isinstance(timeout_s, (int, float)) and 0 <= timeout_s < math.inf):
+            raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
+    if not futures:
+        out._set_result([])
+        return out
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            out._set_thunk(lambda: [f._outcome() for f in futures])
+
+    for f in futures:
+        f._add_done_callback(one_done)
+    if timeout_s is not None and not out.done():
+
+        def expire() -> None:
+            if not out.done():
+                missing = sum(not f.done() for f in futures)
+                out._set_exception(TimeoutError(f"{what}: {missing} of {len(futures)} not done within {timeout_s:g}s"))
+
+        call_later(timeout_s, expire)  # type: ignore[misc]
+    return out
+
+
+def when_done(future: Future[Any], fn: Callable[[], Any]) -> Future[None]:
+    """A future of running ``fn()`` once ``future`` is done, whatever its outcome.
+
+    ``fn`` runs on the thread that completes ``future`` (keep it short and
+    non-blocking: that may be the runtime's loop thread); its own error is the
+    new future's.
+    """
+    out: Future[None] = Future._create()
+
+    def run(_: Future[Any]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            out._set_exception(exc)
+        else:
+            out._set_result(None)
+
+    future._add_done_callback(run)
+    return out

@@ -48,8 +48,11 @@ from __future__ import annotations
 
 import enum
 import os
+import signal as _signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from ..errors import Cause, CauseKind
 
 __all__ = [
     "Policy",
@@ -127,7 +130,8 @@ class Death:
 
     key: str
     verdict: Verdict
-    reason: str
+    #: A HUNG :class:`~actormesh.errors.Cause` (its ``signal`` is SIGSTOP for a stopped child).
+    reason: Cause
 
 
 @dataclass
@@ -226,19 +230,19 @@ class LivenessJudge:
 _PREFIX = "the process this actor was running on"
 
 
-def _stopped(silent: float) -> str:
-    return (f"{_PREFIX} was stopped (state T: SIGSTOP or SIGTSTP) and silent for {silent:.1f}s; "
-            "it was killed so that no late reply can arrive")
+def _stopped(silent: float) -> Cause:
+    return Cause(f"{_PREFIX} was stopped (state T: SIGSTOP or SIGTSTP) and silent for {silent:.1f}s; "
+                 "it was killed so that no late reply can arrive", CauseKind.HUNG, signal=int(_signal.SIGSTOP))
 
 
-def _hung(silent: float, stalled: float, p: Policy, s: ProcSample) -> str:
-    return (f"{_PREFIX} hung: silent for {silent:.1f}s, not runnable (state {s.state}) and using no CPU for "
-            f"{stalled:.1f}s (hung_timeout {p.hung_s:g}s){_rss(s.rss_bytes)}; it was killed")
+def _hung(silent: float, stalled: float, p: Policy, s: ProcSample) -> Cause:
+    return Cause(f"{_PREFIX} hung: silent for {silent:.1f}s, not runnable (state {s.state}) and using no CPU for "
+                 f"{stalled:.1f}s (hung_timeout {p.hung_s:g}s){_rss(s.rss_bytes)}; it was killed", CauseKind.HUNG)
 
 
-def _unresponsive(silent: float, p: Policy) -> str:
-    return (f"{_PREFIX} stopped responding for {silent:.1f}s (heartbeat_timeout {p.timeout_s:g}s; this OS has no "
-            "/proc to tell a busy proc from a hung one) and was killed")
+def _unresponsive(silent: float, p: Policy) -> Cause:
+    return Cause(f"{_PREFIX} stopped responding for {silent:.1f}s (heartbeat_timeout {p.timeout_s:g}s; this OS has no "
+                 "/proc to tell a busy proc from a hung one) and was killed", CauseKind.HUNG)
 
 
 def _rss(rss_bytes: int | None) -> str:
@@ -250,16 +254,17 @@ def _rss(rss_bytes: int | None) -> str:
 _SIGNAL_WORDS = {9: "Killed", 15: "Terminated", 11: "Segfault", 6: "Aborted"}
 
 
-def describe_exit(returncode: int, *, rss_bytes: int | None = None, killed_by_spawner: bool = False) -> str:
+def describe_exit(returncode: int, *, rss_bytes: int | None = None, killed_by_spawner: bool = False) -> Cause:
     """How a process ended, in Monarch's wording (``failed: Killed(sig=9)``), with
     what is known of why: a SIGKILL its spawner did not send usually comes from
-    the kernel's out-of-memory killer, so its last seen memory is given."""
+    the kernel's out-of-memory killer, so its last seen memory is given.
+    An EXITED cause with the code, or a SIGNALED one with the signal number."""
     import signal
 
     if returncode >= 0:
         if returncode:
-            return f"{_PREFIX} exited with non-zero code {returncode}"
-        return f"{_PREFIX} exited"
+            return Cause(f"{_PREFIX} exited with non-zero code {returncode}", CauseKind.EXITED, code=returncode)
+        return Cause(f"{_PREFIX} exited", CauseKind.EXITED, code=0)
     sig = -returncode
     try:
         word = _SIGNAL_WORDS.get(sig, signal.Signals(sig).name)
@@ -270,7 +275,7 @@ def describe_exit(returncode: int, *, rss_bytes: int | None = None, killed_by_sp
         text += " (not sent by actormesh: the kernel's out-of-memory killer or another process)"
     if rss_bytes is not None:
         text += f"; its resident memory was {rss_bytes / 2**20:.0f} MiB when last seen"
-    return text
+    return Cause(text, CauseKind.SIGNALED, signal=sig)
 
 
 # -- the real /proc reader ------------------------------------------------------------------

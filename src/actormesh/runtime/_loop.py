@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from ..config import get_config
@@ -49,6 +49,17 @@ class LoopThread:
     def in_loop(self) -> bool:
         """Whether the caller runs on this loop's thread."""
         return threading.get_ident() == self.ident
+
+    def call_later(self, delay_s: float, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the loop after ``delay_s`` seconds; from any thread.
+        Dropped if the loop is closed by then (the runtime is gone)."""
+        if self.in_loop():
+            self.loop.call_later(delay_s, fn)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.loop.call_later, delay_s, fn)
+        except RuntimeError:
+            pass
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the loop and join the thread (no-op from the loop thread itself)."""

@@ -21,6 +21,7 @@ Layouts (index 0 is the kind):
 - PING / PONG (kind,)                                      liveness probe from a spawner and its answer
 - JOIN        (kind, address, hostname, pid)               a host agent announces itself to a controller
 - RELAY_LOST  (kind, address, reason)                      gateway -> attached client: its leg to ``address`` is gone
+- STATS       (kind, reply)                                ask a process for its telemetry snapshot (see _stats.py)
 
 ``reply`` is a port reference ``(address, port_id)`` or None. ``owner`` is an actor
 reference ``(address, actor_name)``.
@@ -40,6 +41,7 @@ JOIN = 10
 CAST = 11
 REPLY_MULTI = 12
 RELAY_LOST = 13
+STATS = 14
 
 OK = 0
 ERROR = 1

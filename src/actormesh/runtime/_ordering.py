@@ -19,12 +19,12 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger("actormesh.ordering")
 
-__all__ = ["SeqOut", "Reorder"]
+__all__ = ["SeqOut", "ReorderBuffer", "Reorder"]
 
 
 class SeqOut:
@@ -49,12 +49,11 @@ class SeqOut:
 
 
 class _Stream:
-    __slots__ = ("expected", "held", "since", "skipped")
+    __slots__ = ("expected", "held", "skipped")
 
     def __init__(self) -> None:
         self.expected = 0
-        self.held: dict[int, tuple[Any, Any]] = {}
-        self.since = 0.0
+        self.held: dict[int, Any] = {}
         # Numbers given up on, as [lo, hi) ranges, each removed once it arrives:
         # what is below ``expected`` and not in here was released already.
         self.skipped: list[list[int]] = []
@@ -75,8 +74,115 @@ class _Stream:
         return False
 
 
+class ReorderBuffer:
+    """Sans-I/O reorder buffer: per-sender release in number order, with gap skipping.
+
+    The caller passes ``now`` (any monotonic clock), so the rules run in virtual
+    time in tests. ``push`` returns the items whose turn has come, in order.
+    While a sender has items held behind a gap, :meth:`next_expiry` says when to
+    call :meth:`expire`; a gap older than ``gap_timeout_s`` is then skipped.
+
+    Example::
+
+        >>> buf = ReorderBuffer(gap_timeout_s=1.0)
+        >>> buf.push("s", 1, "b", now=0.0)
+        ()
+        >>> buf.next_expiry()
+        1.0
+        >>> buf.push("s", 0, "a", now=0.5)
+        ['a', 'b']
+        >>> buf.push("s", 3, "d", now=0.6), buf.expire(now=1.6)
+        ((), ['d'])
+    """
+
+    __slots__ = ("_gap_timeout_s", "_streams", "_waiting")
+
+    def __init__(self, gap_timeout_s: float) -> None:
+        self._gap_timeout_s = gap_timeout_s
+        self._streams: dict[str, _Stream] = {}
+        #: Senders with items held behind a gap -> when that gap was first seen.
+        self._waiting: dict[str, float] = {}
+
+    def take_next(self, sender: str, seq: int) -> bool:
+        """Accept ``seq`` if it is the very next number from ``sender`` and nothing
+        is held for it: then the caller releases the item at once (the common
+        case, which needs no clock). Otherwise accept nothing: call :meth:`push`."""
+        s = self._streams.get(sender)
+        if s is None:
+            s = self._streams[sender] = _Stream()
+        if seq == s.expected and not s.held:
+            s.expected += 1
+            return True
+        return False
+
+    def push(self, sender: str, seq: int, item: Any, now: float) -> Sequence[Any]:
+        """Accept number ``seq`` from ``sender``; return what may be released now."""
+        s = self._streams.get(sender)
+        if s is None:
+            s = self._streams[sender] = _Stream()
+        if seq == s.expected:
+            s.expected += 1
+            if not s.held:
+                return (item,)
+            out = [item]
+            self._drain(s, out)
+            if not s.held:
+                del self._waiting[sender]
+            return out
+        if seq > s.expected:
+            if not s.held:
+                self._waiting[sender] = now
+            s.held[seq] = item
+            return ()
+        if s.skipped and s.take_skipped(seq):
+            log.warning("message %d from %s arrived after its gap was skipped; delivering it late", seq, sender)
+            return (item,)
+        return ()  # a duplicate of something already released
+
+    def next_expiry(self) -> float | None:
+        """When the oldest gap times out (None: nothing is held)."""
+        if not self._waiting:
+            return None
+        return min(self._waiting.values()) + self._gap_timeout_s
+
+    def expire(self, now: float) -> list[Any]:
+        """Skip every gap older than ``gap_timeout_s``; return what that releases."""
+        out: list[Any] = []
+        for sender, since in list(self._waiting.items()):
+            if now < since + self._gap_timeout_s:  # the very sum next_expiry() gives
+                continue
+            s = self._streams[sender]
+            first = min(s.held)
+            log.warning("messages %d..%d from %s never arrived; skipping the gap", s.expected, first - 1, sender)
+            s.skipped.append([s.expected, first])
+            s.expected = first
+            self._drain(s, out)
+            if s.held:
+                self._waiting[sender] = now  # the next gap gets its own full timeout
+            else:
+                del self._waiting[sender]
+        return out
+
+    def forget(self, sender: str) -> None:
+        """Drop state for a sender that is gone."""
+        self._streams.pop(sender, None)
+        self._waiting.pop(sender, None)
+
+    def __len__(self) -> int:
+        """Senders with state here."""
+        return len(self._streams)
+
+    @staticmethod
+    def _drain(s: _Stream, out: list[Any]) -> None:
+        held = s.held
+        while s.expected in held:
+            out.append(held.pop(s.expected))
+            s.expected += 1
+
+
 class Reorder:
-    """Releases each sender's messages in sequence order. Loop thread only."""
+    """The loop-thread shell of a :class:`ReorderBuffer`: releases items through
+    ``release(env, payload)`` and keeps one timer for the oldest gap."""
 
     def __init__(
         self,
@@ -87,53 +193,39 @@ class Reorder:
     ) -> None:
         self._release = release
         self._schedule = schedule
-        self._gap_timeout_s = gap_timeout_s
         self._clock = clock
-        self._streams: dict[str, _Stream] = {}
+        self._buffer = ReorderBuffer(gap_timeout_s)
+        self._timer_due: float | None = None
+
+    @property
+    def _streams(self) -> dict[str, _Stream]:
+        return self._buffer._streams
 
     def push(self, sender: str, seq: int, env: Any, payload: Any) -> None:
         """Accept message number ``seq`` from ``sender``; release what is in order."""
-        s = self._streams.get(sender)
-        if s is None:
-            s = self._streams[sender] = _Stream()
-        if seq == s.expected:
-            s.expected += 1
+        buf = self._buffer
+        if buf.take_next(sender, seq):
             self._release(env, payload)
-            if s.held:
-                self._drain(s)
-        elif seq > s.expected:
-            if not s.held:
-                s.since = self._clock()
-                self._schedule(self._gap_timeout_s, lambda: self._check_gap(sender))
-            s.held[seq] = (env, payload)
-        elif s.skipped and s.take_skipped(seq):
-            log.warning("message %d from %s arrived after its gap was skipped; delivering it late", seq, sender)
-            self._release(env, payload)
-        # else: a duplicate of something already released; drop it.
-
-    def _drain(self, s: _Stream) -> None:
-        held = s.held
-        while s.expected in held:
-            env, payload = held.pop(s.expected)
-            s.expected += 1
-            self._release(env, payload)
-
-    def _check_gap(self, sender: str) -> None:
-        s = self._streams.get(sender)
-        if s is None or not s.held:
             return
-        if self._clock() - s.since < self._gap_timeout_s * 0.9:
-            self._schedule(self._gap_timeout_s, lambda: self._check_gap(sender))
-            return
-        first = min(s.held)
-        log.warning("messages %d..%d from %s never arrived; skipping the gap", s.expected, first - 1, sender)
-        s.skipped.append([s.expected, first])
-        s.expected = first
-        self._drain(s)
-        if s.held:
-            s.since = self._clock()
-            self._schedule(self._gap_timeout_s, lambda: self._check_gap(sender))
+        released = buf.push(sender, seq, (env, payload), self._clock())
+        release = self._release
+        for e, p in released:
+            release(e, p)
+        if buf._waiting and self._timer_due is None:
+            self._arm()
+
+    def _arm(self) -> None:
+        due = self._buffer.next_expiry()
+        self._timer_due = due
+        if due is not None:
+            self._schedule(max(0.0, due - self._clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer_due = None
+        for e, p in self._buffer.expire(self._clock()):
+            self._release(e, p)
+        self._arm()
 
     def forget(self, sender: str) -> None:
         """Drop state for a sender that is gone."""
-        self._streams.pop(sender, None)
+        self._buffer.forget(sender)

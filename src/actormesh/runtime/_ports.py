@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PortClosedError, SupervisionError, make_actor_error
+from ..errors import PortClosedError, make_actor_error, supervision_error
 from ..transport import Segment, loads
 from ._future import Future
 from ._messages import ERROR, OK, SUPERVISION
@@ -24,14 +24,36 @@ if TYPE_CHECKING:
 __all__ = ["decode_reply", "GatherPort", "StreamPort", "OnePort", "QueuePort"]
 
 
-def decode_reply(status: int, payload: Sequence[Segment], what: str) -> Any:
-    """Turn a reply payload into its value, or raise what it carries."""
+def decode_reply(
+    status: int, payload: Sequence[Segment], what: str, rank: int | None = None, describe: Callable[[int], str] | None = None
+) -> Any:
+    """Turn a reply payload into its value, or raise what it carries. ``rank`` and
+    ``describe(rank)`` name the member in a SupervisionError."""
     if status == OK:
         return loads(payload)
     if status == ERROR:
         exc, formatted = loads(payload)
         raise make_actor_error(exc, f"Actor call {what} failed.", formatted)
-    raise SupervisionError(f"Endpoint call {what}() failed, {loads(payload)}", endpoint=what)
+    if type(payload) is _Gone:
+        raise payload.error(what)
+    cause = loads(payload)  # a Cause from a peer that knew why (or text from an older one)
+    actor = describe(rank) if describe is not None and rank is not None else None
+    raise supervision_error(f"Endpoint call {what}() failed, {cause}", cause, endpoint=what, actor=actor, rank=rank)
+
+
+class _Gone:
+    """The reply owed by a peer that is gone, told here (not sent over the wire)."""
+
+    __slots__ = ("cause", "actor", "rank")
+
+    def __init__(self, cause: str, describe: Callable[[int], str] | None, index: int, rank: int | None = None) -> None:
+        self.cause = cause
+        self.actor = describe(index) if describe is not None else None
+        self.rank = index if rank is None else rank
+
+    def error(self, what: str) -> Exception:
+        text = self.cause if self.actor is None else f"The actor {self.actor} and all its descendants have failed:\n  {self.cause}"
+        return supervision_error(f"Endpoint call {what}() failed, {text}", self.cause, endpoint=what, actor=self.actor, rank=self.rank)
 
 
 class _PortBase:
@@ -118,21 +140,16 @@ class GatherPort(_Abortable, _PortBase):
     def peer_lost(self, address: str, reason: str) -> None:
         for i, addr in enumerate(self._addresses):
             if addr == address:
-                self._store(i, (SUPERVISION, _dead_text(self._describe, i, reason)))
+                self._store(i, (SUPERVISION, _Gone(reason, self._describe, i)))
 
     def _finish(self) -> None:
         self.close()
         for addr in set(self._addresses):
             self.runtime.unawait_peer(addr, self)
-        replies, what, build = self._replies, self.what, self._build
+        replies, what, build, describe = self._replies, self.what, self._build, self._describe
 
         def thunk() -> Any:
-            values = []
-            for status, payload in replies:
-                if status == SUPERVISION and isinstance(payload, str):
-                    raise SupervisionError(f"Endpoint call {what}() failed, {payload}", endpoint=what)
-                values.append(decode_reply(status, payload, what))
-            return build(values)
+            return build([decode_reply(status, payload, what, rank, describe) for rank, (status, payload) in enumerate(replies)])
 
         self.future._set_thunk(thunk)
 
@@ -163,10 +180,10 @@ class StreamPort(_Abortable, _PortBase):
             self._next += 1
             done = self._next == len(self.futures)
         what = self.what
-        if status == SUPERVISION and isinstance(payload, str):
-            fut._set_exception(SupervisionError(f"Endpoint call {what}() failed, {payload}", endpoint=what))
+        if type(payload) is _Gone:
+            fut._set_exception(payload.error(what))
         else:
-            fut._set_thunk(lambda: decode_reply(status, payload, what))
+            fut._set_thunk(lambda: decode_reply(status, payload, what, index, self._describe))
         if done:
             self.close()
             for addr in set(self._addresses):
@@ -175,20 +192,21 @@ class StreamPort(_Abortable, _PortBase):
     def peer_lost(self, address: str, reason: str) -> None:
         for i, addr in enumerate(self._addresses):
             if addr == address:
-                self._complete(i, SUPERVISION, _dead_text(self._describe, i, reason))
+                self._complete(i, SUPERVISION, _Gone(reason, self._describe, i))
 
 
 class OnePort:
     """One reply from one peer (``call_one``/``choose``): the lean path."""
 
-    __slots__ = ("runtime", "what", "port_id", "future", "_address", "_describe")
+    __slots__ = ("runtime", "what", "port_id", "future", "_address", "_describe", "_rank")
 
-    def __init__(self, runtime: ProcRuntime, what: str, address: str, describe: Callable[[int], str] | None = None) -> None:
+    def __init__(self, runtime: ProcRuntime, what: str, address: str, describe: Callable[[int], str] | None = None, rank: int = 0) -> None:
         self.runtime = runtime
         self.what = what
         self.future: Future[Any] = Future._create()
         self._address = address
         self._describe = describe
+        self._rank = rank
         self.port_id = runtime.register_port(self)
         runtime.await_peer(address, self)
 
@@ -200,16 +218,15 @@ class OnePort:
         if status == OK:
             self.future._set_thunk(lambda: loads(payload))
         else:
-            self.future._set_thunk(lambda: decode_reply(status, payload, what))
+            rank, describe = self._rank, self._describe
+            self.future._set_thunk(lambda: decode_reply(status, payload, what, rank, describe and (lambda _: describe(0))))
 
     def abort(self, reason: str) -> None:
         self.peer_lost(self._address, reason)
 
     def peer_lost(self, address: str, reason: str) -> None:
         self.runtime.ports.pop(self.port_id, None)
-        what = self.what
-        text = _dead_text(self._describe, 0, reason)
-        self.future._set_exception(SupervisionError(f"Endpoint call {what}() failed, {text}", endpoint=what))
+        self.future._set_exception(_Gone(reason, self._describe, 0, self._rank).error(self.what))
 
 
 class QueuePort(_PortBase):
@@ -327,12 +344,6 @@ class _Receive(Future):  # type: ignore[type-arg]
     def _add_done_callback(self, cb: Callable[[Future[Any]], None]) -> None:
         self._observe()
         super()._add_done_callback(cb)
-
-
-def _dead_text(describe: Callable[[int], str] | None, index: int, reason: str) -> str:
-    if describe is None:
-        return reason
-    return f"The actor {describe(index)} and all its descendants have failed:\n  {reason}"
 
 
 def _raise(exc: BaseException) -> Any:

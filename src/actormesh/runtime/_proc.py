@@ -18,15 +18,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..config import Config, get_config
-from ..errors import AuthenticationError, ProtocolError, TransportError
-from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, connect, dumps, listen, new_secret
+from ..errors import Cause, CauseKind, ProtocolError
+from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, dumps, listen, new_secret
 from . import _messages as M
-from ._gateway import dial_plan, refuse_relay
+from ._gateway import refuse_relay
 from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
 from ._lost import Lost, error_payload, payload_lost, reply_port
 from ._ordering import Reorder, SeqOut
+from ._peers import connection_closed, dial, peer_gone, table_sizes
 from ._routes import LocalRoute, Route
+from ._threads import ThreadGroup
 
 log = logging.getLogger("actormesh.runtime")
 
@@ -34,8 +36,6 @@ __all__ = ["ProcRuntime"]
 
 Envelope = tuple[Any, ...]
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
-#: Dead peers remembered so that late sends to them fail at once (oldest forgotten first).
-MAX_TOMBSTONES = 1024
 
 
 class ProcRuntime:
@@ -92,11 +92,14 @@ class ProcRuntime:
         self._dead: OrderedDict[str, Route] = OrderedDict()
         self._reorder = Reorder(self._release, lambda delay, fn: self.loop.call_later(delay, fn), min(5.0, self.config.message_delivery_timeout))
         self.closed = False
+        #: Threads for work that may block off the loop (fault hooks...): joined at close.
+        self.threads = ThreadGroup(f"runtime {name}")
         #: Hooks installed by the cell/spawn modules (keeps this module free of them).
         self.on_spawn: Callable[[Envelope, Sequence[Segment]], None] | None = None
         self.on_failure: Callable[[Envelope], None] | None = None
         self.on_stop_proc: Callable[[Envelope], None] | None = None
         self.on_singleton: Callable[[Envelope, Sequence[Segment]], None] | None = None
+        self.on_stats: Callable[[Envelope], None] | None = None
         self.on_peer_lost: list[Callable[[str, str], None]] = []
         self.on_join: list[Callable[[str, str, int], None]] = []
         self.on_hello: Callable[[Connection, Envelope], bool] | None = None
@@ -194,142 +197,33 @@ class ProcRuntime:
             self.loop.call_soon_threadsafe(go)
 
     async def _dial(self, route: Route) -> None:
-        try:
-            target, relay = dial_plan(route.address)  # a client's via name: dial its gateway
-            conn = await connect(
-                target,
-                self.secret,
-                on_frame=self._on_frame,
-                on_close=self._on_close,
-                max_frame_bytes=self.config.codec_max_frame_length,
-                handshake_timeout_s=self.config.handshake_timeout,
-                timeout_s=self.config.connect_timeout,
-                ssl_context=self._client_ssl if target.startswith("tcp:") else None,
-                shm=self.shm,
-            )
-        except AuthenticationError as exc:
-            self.peer_gone(
-                route.address,
-                f"authentication failed: this handle belongs to another job (the process at {route.address} "
-                f"does not share this controller's job secret; use a mesh handle only inside the job that made it): {exc}",
-            )
-            return
-        except (TransportError, OSError) as exc:
-            self.peer_gone(route.address, f"the process at {route.address} is unreachable: {exc}")
-            return
-        except Exception as exc:  # anything else must still fail the route's waiters, never strand them
-            log.exception("dialing %s failed", route.address)
-            self.peer_gone(route.address, f"the process at {route.address} is unreachable: {type(exc).__name__}: {exc}")
-            return
-        conn.tag = route.address
-        conn.send([pickle.dumps((M.HELLO, self.address, self.pid, self.hello_error, *relay), 5)])
-        route.publish(conn)
+        await dial(self, route)
 
     def _on_connection(self, conn: Connection) -> None:
         pass  # an accepted peer identifies itself with HELLO as its first frame
 
     def _on_close(self, conn: Connection, exc: BaseException | None) -> None:
-        address = conn.tag
-        if address is None or self.closed:
-            return
-        r = self._routes.get(address)
-        if isinstance(r, Route) and r.conn is conn:
-            if r.child:
-                # The spawner learns the exit status and reports it (see _spawn). Until
-                # then messages queue on the route, so they fail with that status and
-                # not a bare "connection lost"; a status that never comes still fails them.
-                r.conn = None
-                grace = 2 * self.config.heartbeat_timeout + 5.0
-                self.loop.call_later(grace, self._child_silent, address, r, grace)
-                return
-            self.peer_gone(address, f"lost connection to the process at {address}")
-
-    def _child_silent(self, address: str, route: Route, waited: float) -> None:
-        if route.dead is None and route.conn is None and self._routes.get(address) is route:
-            self.peer_gone(address, f"lost connection to the process at {address} (no exit status after {waited:.0f}s)")
+        connection_closed(self, conn)
 
     def peer_gone(self, address: str, reason: str, *, expected: bool = False) -> None:
         """A peer died or became unreachable: fail everything it owed us. Loop thread.
 
-        ``expected`` (the proc was stopped on purpose, or named in
+        ``reason`` is a :class:`~actormesh.errors.Cause` (text alone is taken as
+        UNREACHABLE). ``expected`` (the proc was stopped on purpose, or named in
         :meth:`expect_gone`) skips supervision hooks. Supervision hears first:
         the hooks run before any caller's future fails for this cause, so an
         owner (or ``unhandled_fault_hook``) is never told later than a caller.
         """
-        r = self._routes.get(address) or self._dead.get(address)
-        if isinstance(r, LocalRoute):
-            return  # this very process
-        if r is None:
-            r = Route(self, address)
-        pending = r.fail(reason)  # marks the route dead first
-        if address in self._expected_gone:
-            self._expected_gone.discard(address)
-            expected = True
-        first = address not in self._dead  # else supervision already heard (e.g. bootstrap failure, then exit)
-        if first:
-            self._dead[address] = r
-            for hook in [] if expected else list(self.on_peer_lost):
-                try:
-                    hook(address, reason)
-                except Exception:
-                    log.exception("peer-lost hook failed")
-        for env, _ in pending:
-            self.undeliverable(env, address, reason)
-        for handler in list(self._waiting_on.pop(address, ())):
-            handler.peer_lost(address, reason)
-        if first:
-            self._forget(address, r)
+        peer_gone(self, address, reason, expected)
 
     def expect_gone(self, address: str) -> None:
         """The peer at ``address`` is being torn down on purpose (a job kill, a host
         mesh stop): its loss is not a failure and reaches no supervision hook."""
         self._expected_gone.add(address)
 
-    def _forget(self, address: str, route: Route) -> None:
-        """Prune what this process kept about a peer that is gone (loop thread).
-
-        Its route stays as a tombstone (bounded) so that late sends fail fast;
-        everything else keyed by it goes, so the tables do not grow with every
-        proc ever spawned.
-        """
-        with self._routes_lock:
-            if self._routes.get(address) is route:
-                del self._routes[address]
-            while len(self._dead) > MAX_TOMBSTONES:
-                self._dead.popitem(last=False)
-        self.seq_out.forget(address)
-        self._reorder.forget(address)
-        self._waiting_on.pop(address, None)
-        owned = getattr(self, "owned_meshes", None)
-        if owned:
-            for name, record in list(owned.items()):
-                if address in record.addresses and not any(self._live(a) for a in record.addresses):
-                    del owned[name]  # every member's proc is gone: it can fail no more
-        if route.child and address.startswith("unix:"):
-            path = address[5:]
-            if os.path.dirname(path) == self.job_dir:  # a socket we named; its proc may have been killed
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-
-    def _live(self, address: str) -> bool:
-        r = self._routes.get(address)
-        return r is not None and r.dead is None
-
     def table_sizes(self) -> dict[str, int]:
         """Entries in this process's per-peer tables (diagnostics; tests check nothing leaks)."""
-        return {
-            "routes": len(self._routes),
-            "tombstones": len(self._dead),
-            "seq_out": len(self.seq_out._counters),
-            "reorder": len(self._reorder._streams),
-            "waiting_on": len(self._waiting_on),
-            "early": len(self._early),
-            "ports": len(self.ports),
-            "children": len(getattr(self, "children", {})),
-            "owned_meshes": len(getattr(self, "owned_meshes", {})),
-        }
+        return table_sizes(self)
 
     # -- reply ports ------------------------------------------------------------------------
     def register_port(self, handler: Any) -> int:
@@ -436,6 +330,9 @@ class ProcRuntime:
         elif kind == M.JOIN:
             for hook in list(self.on_join):
                 hook(env[1], env[2], env[3])
+        elif kind == M.STATS:
+            if self.on_stats is not None:
+                self.on_stats(env)
         elif kind in (M.HELLO, M.PONG):
             pass
         else:
@@ -501,10 +398,11 @@ class ProcRuntime:
             abort = getattr(handler, "abort", None)
             try:
                 if abort is not None:
-                    abort(f"the runtime of {self.address} was shut down")
+                    abort(Cause(f"the runtime of {self.address} was shut down", CauseKind.STOPPED))
             except Exception:
                 log.exception("failing a port at shutdown failed")
         self.ports.clear()
+        self.threads.join(2.0)
         self.shm.close()
         if self.owns_job_dir:
             remove_job_dir(self.job_dir)

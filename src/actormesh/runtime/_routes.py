@@ -15,7 +15,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import TransportError
+from ..errors import Cause, CauseKind, TransportError
+from ..telemetry import FIGURES
+from ..telemetry import STATE as _TELEMETRY
 from ..transport import Connection, Segment
 from ._messages import BIG_PAYLOAD_BYTES
 
@@ -43,8 +45,8 @@ class Route:
         self.conn: Connection | None = None
         self._pending: list[tuple[Envelope, Sequence[Segment]]] = []
         self._lock = threading.Lock()
-        #: Why this peer is unreachable for good (a SupervisionError-worthy text).
-        self.dead: str | None = None
+        #: Why this peer is gone for good (a Cause), or None while it may be reached.
+        self.dead: Cause | None = None
         self._runtime = runtime
         self.connecting = False
         #: A child proc dials us; we never dial it.
@@ -55,6 +57,8 @@ class Route:
     def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:
         """Send from any thread; fails the message's reply port if the peer is gone."""
         self.sent += 1  # not atomic across threads: a statistic, not an invariant
+        if _TELEMETRY.on:
+            FIGURES.bytes_out += sum(len(s) if type(s) is bytes else memoryview(s).nbytes for s in payload)
         conn = self.conn
         if conn is None:
             with self._lock:
@@ -79,7 +83,7 @@ class Route:
         try:
             event = conn.send([pickle.dumps(env, 5), *payload], wait_flushed=big)
         except TransportError as exc:
-            self._runtime.undeliverable(env, self.address, f"connection lost: {exc}")
+            self._runtime.undeliverable(env, self.address, Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc))
             return
         if event is not None and not self._runtime.in_loop():
             # The payload's memory is referenced until the kernel has it.
@@ -96,7 +100,7 @@ class Route:
             self.conn = conn
             self.connecting = False
 
-    def fail(self, reason: str) -> list[tuple[Envelope, Sequence[Segment]]]:
+    def fail(self, reason: Cause) -> list[tuple[Envelope, Sequence[Segment]]]:
         """Mark the peer gone; return what was still queued (to fail its replies)."""
         with self._lock:
             if self.dead is None:
@@ -120,7 +124,7 @@ class LocalRoute:
         self._queue: deque[tuple[Envelope, Sequence[Segment]]] = deque()
         self._scheduled = False
         self._runtime = runtime
-        self.dead: str | None = None
+        self.dead: Cause | None = None
         self._dispatch = dispatch
 
     def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:

@@ -8,8 +8,9 @@ long-lived loop thread, since the signal follows the *thread* that forked.
 
 Exits are watched with a pidfd on the loop (no thread per child). An exit is
 reported with its cause (exit code or signal) to everything waiting on that proc.
-Silent children are judged by the rules of ``_liveness.py``: a stopped or hung
-child is killed (so no late reply can arrive), a busy one never.
+Silent children are judged by the rules of ``_liveness.py`` (driven by
+``_heartbeat.py``): a stopped or hung child is killed (so no late reply can
+arrive), a busy one never.
 """
 
 from __future__ import annotations
@@ -27,18 +28,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import Cause, CauseKind
 from ..transport import dumps
 from . import _messages as M
-from ._future import Future
+from ._future import Future, gather
 from ._launch import ProcCommand, default_command
-from ._liveness import LivenessJudge, Peer, Policy, describe_exit, proc_available, read_proc
+from ._heartbeat import Heartbeat
+from ._liveness import LivenessJudge, Policy, describe_exit, proc_available, read_proc
 
 log = logging.getLogger("actormesh.spawn")
 
-__all__ = ["ChildProc", "spawn_children", "stop_children", "exit_cause", "kill_all_children"]
+__all__ = ["ChildProc", "spawn_children", "stop_children", "exit_cause", "kill_all_children", "STOPPED"]
+
+#: The cause of a proc stopped on purpose (its exit is not a failure).
+STOPPED = Cause("the proc was stopped", CauseKind.STOPPED)
 
 
-def exit_cause(returncode: int, *, rss_bytes: int | None = None, killed_by_spawner: bool = False) -> str:
+def exit_cause(returncode: int, *, rss_bytes: int | None = None, killed_by_spawner: bool = False) -> Cause:
     """Monarch's wording for how a process ended (e.g. ``failed: Killed(sig=9)``),
     with its last seen memory and whether its spawner sent the signal."""
     return describe_exit(returncode, rss_bytes=rss_bytes, killed_by_spawner=killed_by_spawner)
@@ -63,6 +69,8 @@ class ChildProc:
     rss_bytes: int | None = None
     #: Whether its spawner sent it SIGKILL.
     killed: bool = False
+    #: Completed when its stdout/stderr are read to the end (set by whoever reads them).
+    pumps: list[Future[None]] = field(default_factory=list)
 
 
 def _free_tcp_address(host: str) -> str:
@@ -71,44 +79,6 @@ def _free_tcp_address(host: str) -> str:
         host, port = s.getsockname()[:2]  # numeric: what the worker's listener will report
     shown = f"[{host}]" if ":" in host else host
     return f"tcp:{shown}:{port}"
-
-
-def _heartbeat(runtime: Any, judge: LivenessJudge) -> None:
-    """One liveness round (loop thread): ping quiet children, kill (and so fence)
-    those the judge declares stopped or hung, then schedule the next round.
-
-    A SIGSTOPped or wedged proc keeps its socket open, so only silence and the
-    OS tell. Killing it guarantees that no late reply from it is ever delivered.
-    """
-    import pickle
-
-    judged: dict[str, tuple[ChildProc, Any]] = {}
-    peers = []
-    for child in list(runtime.children.values()):
-        route = runtime._routes.get(child.address)
-        conn = getattr(route, "conn", None)
-        if conn is None or not child.ready.done() or child.stopping or child.popen is None:
-            continue
-        judged[child.address] = (child, conn)
-        peers.append(Peer(child.address, child.popen.pid, conn.last_rx, child.policy))
-    verdicts = judge.tick(peers)
-    for key in verdicts.ping:
-        try:
-            judged[key][1].send([pickle.dumps((M.PING,), 5)])
-        except Exception:
-            pass  # a closed connection is reported by its close
-    for death in verdicts.deaths:
-        child = judged[death.key][0]
-        log.warning("proc %s (pid %s) declared %s: %s", child.name, child.popen.pid if child.popen else "?", death.verdict.value, death.reason)
-        # Report first, then kill: a host agent's report then leaves before the
-        # proc's own connections close, so the controller hears the verdict.
-        runtime.peer_gone(child.address, death.reason)
-        _kill(child)
-    for key, (child, _) in judged.items():
-        child.rss_bytes = judge.rss_bytes(key)
-    if not runtime.closed:
-        interval = min((p.policy.interval_s for p in peers), default=runtime.config.heartbeat_interval)
-        runtime.loop.call_later(interval / 2, _heartbeat, runtime, judge)
 
 
 def _listen_host(address: str, default: str) -> str:
@@ -125,8 +95,8 @@ def _install_hello(runtime: Any) -> None:
     if getattr(runtime, "children", None) is not None:
         return
     runtime.children = {}
-    judge = LivenessJudge(time.monotonic, read_proc if proc_available() else None)
-    runtime.loop.call_soon_threadsafe(_heartbeat, runtime, judge)
+    runtime.heartbeat = Heartbeat(runtime, LivenessJudge(time.monotonic, read_proc if proc_available() else None), _kill)
+    runtime.heartbeat.start()
 
     def on_hello(conn: Any, env: tuple[Any, ...]) -> bool:
         child = runtime.children.get(env[1])
@@ -135,7 +105,7 @@ def _install_hello(runtime: Any) -> None:
         route = runtime._routes.get(env[1])
         if env[3] is not None:
             _kill(child)
-            runtime.peer_gone(child.address, f"the proc's bootstrap function failed: {env[3]}")
+            runtime.peer_gone(child.address, Cause(f"the proc's bootstrap function failed: {env[3]}", CauseKind.RAISED))
             child.ready._set_exception(RuntimeError(f"bootstrap of proc {child.name} failed:\n{env[3]}"))
             return True
         if route is not None:
@@ -199,44 +169,7 @@ def spawn_children(
 
     def start() -> None:
         for child, command in zip(children, commands or [None] * len(children)):
-            command = command or default_command()
-            spec = {
-                "secret": runtime.secret.hex(),
-                "name": child.name,
-                "address": child.address,
-                "parent": runtime.address,
-                "root": runtime.root_address,
-                "job_dir": runtime.job_dir,
-                "transport": runtime.transport,
-                "sys_path": [p for p in sys.path if p],
-                "cwd": os.getcwd(),
-                "parent_pid": os.getpid(),
-                "bootstrap": blob_fn,
-                "tls": None if runtime.tls is None else [runtime.tls.ca_pem, runtime.tls.cert_pem, runtime.tls.key_pem],
-            }
-            try:
-                popen = subprocess.Popen(
-                    list(command.argv),
-                    executable=command.executable,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE if stdio else None,
-                    stderr=subprocess.PIPE if stdio else None,
-                    env=command.environment(os.environ, launch_env),
-                    close_fds=True,
-                )
-                assert popen.stdin is not None
-                popen.stdin.write(json.dumps(spec).encode())
-                popen.stdin.close()
-            except OSError as exc:
-                runtime.peer_gone(child.address, f"could not start proc {child.name}: {exc}")
-                child.ready._set_exception(RuntimeError(f"could not start proc {child.name}: {exc}"))
-                child.exited._set_result(None)
-                continue
-            child.popen = popen
-            if stdio is not None:
-                stdio(child, popen.stdout, popen.stderr)
-            _watch(runtime, child)
-            runtime.loop.call_later(cfg.proc_spawn_timeout, _check_started, runtime, child, cfg.proc_spawn_timeout)
+            _start_one(runtime, child, command or default_command(), blob_fn, launch_env, stdio, cfg.proc_spawn_timeout)
 
     if runtime.in_loop():
         start()
@@ -245,10 +178,61 @@ def spawn_children(
     return children
 
 
+def _start_one(
+    runtime: Any,
+    child: ChildProc,
+    command: ProcCommand,
+    blob_fn: str | None,
+    launch_env: dict[str, str],
+    stdio: Callable[[ChildProc, Any, Any], None] | None,
+    spawn_timeout_s: float,
+) -> None:
+    """Start one worker (loop thread): its bootstrap goes to its stdin, never argv."""
+    spec = {
+        "secret": runtime.secret.hex(),
+        "name": child.name,
+        "address": child.address,
+        "parent": runtime.address,
+        "root": runtime.root_address,
+        "job_dir": runtime.job_dir,
+        "transport": runtime.transport,
+        "sys_path": [p for p in sys.path if p],
+        "cwd": os.getcwd(),
+        "parent_pid": os.getpid(),
+        "bootstrap": blob_fn,
+        "tls": None if runtime.tls is None else [runtime.tls.ca_pem, runtime.tls.cert_pem, runtime.tls.key_pem],
+    }
+    try:
+        popen = subprocess.Popen(
+            list(command.argv),
+            executable=command.executable,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE if stdio else None,
+            stderr=subprocess.PIPE if stdio else None,
+            env=command.environment(os.environ, launch_env),
+            close_fds=True,
+        )
+        assert popen.stdin is not None
+        popen.stdin.write(json.dumps(spec).encode())
+        popen.stdin.close()
+    except OSError as exc:
+        runtime.peer_gone(child.address, Cause(f"could not start proc {child.name}: {exc}", CauseKind.UNREACHABLE, error=exc))
+        failed = RuntimeError(f"could not start proc {child.name}: {exc}")
+        failed.__cause__ = exc  # as ``raise ... from exc`` would: whoever waits on ready sees both
+        child.ready._set_exception(failed)
+        child.exited._set_result(None)
+        return
+    child.popen = popen
+    if stdio is not None:
+        stdio(child, popen.stdout, popen.stderr)
+    _watch(runtime, child)
+    runtime.loop.call_later(spawn_timeout_s, _check_started, runtime, child, spawn_timeout_s)
+
+
 def _check_started(runtime: Any, child: ChildProc, timeout: float) -> None:
     if not child.ready.done() and child.returncode is None:
         _kill(child)
-        reason = f"proc {child.name} did not report ready within {timeout:.0f}s (proc_spawn_timeout)"
+        reason = Cause(f"proc {child.name} did not report ready within {timeout:.0f}s (proc_spawn_timeout); it was killed", CauseKind.HUNG)
         child.ready._set_exception(TimeoutError(reason))
         runtime.peer_gone(child.address, reason)
 
@@ -276,7 +260,7 @@ def _exited(runtime: Any, child: ChildProc, _: Any) -> None:
     child.returncode = code
     if not child.ready.done():
         child.ready._set_exception(RuntimeError(f"proc {child.name} exited before it was ready ({exit_cause(code)})"))
-    reason = "the proc was stopped" if child.stopping else exit_cause(code, rss_bytes=child.rss_bytes, killed_by_spawner=child.killed)
+    reason = STOPPED if child.stopping else exit_cause(code, rss_bytes=child.rss_bytes, killed_by_spawner=child.killed)
     runtime.peer_gone(child.address, reason, expected=child.stopping)
     runtime.children.pop(child.address, None)
     child.exited._set_result(code)
@@ -294,26 +278,15 @@ def _kill(child: ChildProc) -> None:
 def stop_children(runtime: Any, children: Sequence[ChildProc], timeout_s: float) -> Future[None]:
     """Ask workers to stop (their actors' ``__cleanup__`` run), kill those that
     have not exited after ``timeout_s``. The future completes when all exited."""
-    done: Future[None] = Future._create()
     remaining = [c for c in children if not c.exited.done()]
     if not remaining:
-        done._set_result(None)
-        return done
-    count = [len(remaining)]
-    lock = threading.Lock()
-
-    def one_exited(_: Any) -> None:
-        with lock:
-            count[0] -= 1
-            last = count[0] == 0
-        if last:
-            done._set_result(None)
+        return Future._completed(None)
+    done = gather([c.exited for c in remaining], what="stop_children").then(lambda _: None)
 
     def begin() -> None:
         for child in remaining:
             child.stopping = True
             runtime.send(child.address, (M.STOP_PROC, None))
-            child.exited._add_done_callback(one_exited)
         runtime.loop.call_later(timeout_s, lambda: [_kill(c) for c in remaining])
 
     runtime.loop.call_soon_threadsafe(begin)

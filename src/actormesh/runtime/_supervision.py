@@ -26,12 +26,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from . import _messages as M
 from ._actor import MeshFailure
+from ._triage import Action, Decision, FailureTriage, MeshRecord, RestartPolicy
 
 log = logging.getLogger("actormesh.supervision")
 
@@ -41,49 +41,6 @@ CLIENT_NAME = "client"
 
 #: Seconds an owner waits past ``cleanup_timeout`` for a stopping member before it kills the proc.
 STOP_MARGIN_S = 1.0
-
-
-@dataclass
-class MeshRecord:
-    """What the owner knows of one actor mesh it spawned."""
-
-    name: str
-    owner: str
-    addresses: Sequence[str]
-    display: str
-    failed: dict[int, str] = field(default_factory=dict)
-    stopped: str | None = None
-    reported: set[int] = field(default_factory=set)
-    #: Qualified name of the member at a rank, for messages.
-    describe: Callable[[int], str] | None = None
-    #: Restart policy (see RestartPolicy) and how to respawn one rank.
-    restart: RestartPolicy | None = None
-    respawn: Callable[[int], None] | None = None
-    restart_times: list[float] = field(default_factory=list)
-
-    def member(self, rank: int) -> str:
-        """Qualified name of the member at ``rank``."""
-        return self.describe(rank) if self.describe else f"{self.display} rank {rank}>"
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """Restart failed members of an actor mesh, like an OTP supervisor.
-
-    At most ``max_restarts`` restarts within any ``within_s`` seconds; one more
-    failure inside that window is escalated to the owner as usual. A member whose
-    proc died gets a fresh proc at the same rank; calls in flight to the failed
-    member fail (at most once), calls made after the restart reach the new one.
-    """
-
-    max_restarts: int = 3
-    within_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
-        if not self.within_s > 0:
-            raise ValueError(f"within_s must be > 0 seconds, got {self.within_s!r}")
 
 
 def default_fault_hook(failure: MeshFailure) -> None:
@@ -261,46 +218,26 @@ def stop_owned(runtime: Any, owner: str, reason: str) -> None:
 
 
 def install(runtime: Any) -> None:
-    """Attach owner-side supervision to a runtime."""
+    """Attach owner-side supervision to a runtime: a :class:`FailureTriage`
+    decides (loop thread), this shell restarts members and delivers reports."""
     runtime.owned_meshes = {}
+    triage = FailureTriage(time.monotonic)
 
-    def try_restart(record: MeshRecord, rank: int, cause: str) -> bool:
-        policy = record.restart
-        if policy is None or record.respawn is None:
-            return False
-        now = time.monotonic()
-        record.restart_times[:] = [t for t in record.restart_times if now - t < policy.within_s]
-        if len(record.restart_times) >= policy.max_restarts:
-            log.warning("%s failed again: %d restarts within %.0fs, escalating", record.member(rank), policy.max_restarts, policy.within_s)
-            return False
-        record.restart_times.append(now)
-        log.warning("restarting %s after: %s", record.member(rank), cause.splitlines()[-1] if cause else cause)
-        try:
-            record.respawn(rank)
-        except Exception:
-            log.exception("restart of %s failed", record.member(rank))
-            return False
-        return True
-
-    def deliver(record: MeshRecord, rank: int, cause: str, actor: str, source: str | None = None) -> None:
-        if rank in record.reported or record.stopped is not None:
-            return
-        if source is not None and rank < len(record.addresses) and record.addresses[rank] != source:
-            return  # a report about an earlier incarnation of a restarted member
-        if try_restart(record, rank, cause):
-            return
-        record.reported.add(rank)
-        record.failed.setdefault(rank, cause)
-        failure = MeshFailure(mesh_name=record.name, crashed_ranks=[rank], cause=cause, actor=actor)
-        if record.owner == CLIENT_NAME:
-            # The hook is chosen now, before any caller's future fails for this cause;
-            # it runs off the loop thread: a user hook may block or call back into meshes.
-            hook = _current_fault_hook()
-            threading.Thread(target=_call_fault_hook, args=(hook, failure), name="actormesh-fault-hook", daemon=True).start()
-            return
-        cell = runtime.actors.get(record.owner)
-        if cell is not None:
-            cell.supervise(failure)
+    def act(action: Action) -> None:
+        record, rank = action.record, action.rank
+        if action.decision is Decision.RESTART:
+            log.warning("restarting %s after: %s", record.member(rank), action.cause.splitlines()[-1] if action.cause else action.cause)
+            try:
+                record.respawn(rank)  # type: ignore[misc]
+                return
+            except Exception:
+                log.exception("restart of %s failed", record.member(rank))
+                action = triage.restart_failed(action)
+        if action.decision is Decision.REPORT:
+            if action.why and record.restart is not None:
+                log.warning("%s failed again (%s), escalating", record.member(rank), action.why)
+            assert action.failure is not None
+            _report(runtime, record, action.failure)
 
     def on_failure(env: tuple[Any, ...]) -> None:
         _, owner, mesh_name, rank, cause, display, source = env
@@ -308,14 +245,25 @@ def install(runtime: Any) -> None:
         if record is None:
             log.warning("failure of unknown mesh %s rank %s: %s", mesh_name, rank, cause)
             return
-        deliver(record, rank, cause, display, source)
+        act(triage.on_failure(record, rank, cause, source, display))
 
     def on_peer_lost(address: str, reason: str) -> None:
-        for record in list(runtime.owned_meshes.values()):
-            for rank, addr in enumerate(record.addresses):
-                if addr == address:
-                    deliver(record, rank, reason, record.member(rank), address)
+        for action in triage.on_peer_lost(list(runtime.owned_meshes.values()), address, reason):
+            act(action)
 
     runtime.on_failure = on_failure
     runtime.on_peer_lost.append(on_peer_lost)
     runtime.reply_kinds = M
+
+
+def _report(runtime: Any, record: MeshRecord, failure: MeshFailure) -> None:
+    """Deliver a failure to the mesh's owner (loop thread)."""
+    if record.owner == CLIENT_NAME:
+        # The hook is chosen now, before any caller's future fails for this cause;
+        # it runs off the loop thread: a user hook may block or call back into meshes.
+        hook = _current_fault_hook()
+        runtime.threads.start(_call_fault_hook, hook, failure, name="actormesh-fault-hook")
+        return
+    cell = runtime.actors.get(record.owner)
+    if cell is not None:
+        cell.supervise(failure)

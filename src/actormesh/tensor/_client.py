@@ -210,9 +210,12 @@ def _encode(batch: list[Any]) -> Any:
     """Batches are plain data: the C pickler is ~2x faster than the general codec on
     them; what it cannot pickle (a lambda in a remote call) goes through the codec."""
     try:
-        return pickle.dumps(batch, protocol=5)
+        data = pickle.dumps(batch, protocol=5)
     except (pickle.PicklingError, TypeError, AttributeError):
         return batch
+    # The C pickler names classes and functions of the user's script as ``__main__.X``,
+    # which a worker cannot import: those batches travel by value through the codec.
+    return batch if b"__main__" in data else data
 
 
 #: The procs the actor message being encoded in this thread goes to (see _shard_ref).

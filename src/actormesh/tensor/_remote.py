@@ -287,7 +287,7 @@ class Remote:
         return spec, list(mutated)
 
     # -- adverbs: plain results, ordered with the tensor commands ---------------------------
-    def _engine_ep(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Endpoint[Any], tuple[Any, ...]]:
+    def _engine_ep(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Endpoint[..., Any], tuple[Any, ...]]:
         ref = self._fnref()
         call = scan_args(f"remote function {ref.name}", args, kwargs)
         if self._propagate == "mocked":

@@ -1,0 +1,218 @@
+"""One generation step over a batch of slots: the plan, the forward passes, sampling.
+
+A :class:`StepPlan` says what one step of continuous batching computes: for
+each row, the slot (see :class:`KVCache`), the new tokens fed (a whole prompt
+for a request joining the batch, else its last sampled token), the position
+of the first of them, and how to pick the row's next token. It is plain data,
+so the rank that schedules (rank 0 of a replica) can broadcast it and every
+rank runs the same step. :class:`StepRunner` runs plans on one rank's model
+chunk: prefill rows (right-padded to the longest prompt) in one forward, decode
+rows in another; under pipeline parallelism each stage receives the previous
+stage's hidden states and sends its own on; the rank holding the vocabulary
+head (the last stage's first tensor-parallel rank) samples with
+:class:`Sampler` and, if it is not rank 0, sends the tokens to rank 0.
+
+The model chunk must provide ``forward_cached(x, positions, cache, last)``
+(:class:`actormesh.parallel.hf.HFCausalLM` and
+:class:`actormesh.parallel.models.GPT` do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._kv_cache import KVCache
+
+__all__ = ["StepPlan", "Sampler", "StepRunner", "StageLinks", "sample_token"]
+
+
+@dataclass
+class StepPlan:
+    """One engine step, identical on every rank of a replica.
+
+    ``kind`` is ``"step"`` (run the rows), ``"idle"`` (nothing to run: keeps
+    followers' waits short), ``"swap"`` (install staged weights) or ``"stop"``.
+    Row ``i`` feeds ``tokens[i]`` into slot ``slots[i]`` starting at position
+    ``starts[i]`` (0 for a prompt) and picks its next token with
+    ``sampling[i] = (temperature, top_k, top_p)``; ``seeds`` gives the sampling
+    seed of each slot whose request starts in this step; ``version`` names
+    the staged weights a ``"swap"`` installs.
+    """
+
+    kind: str = "step"
+    slots: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    sampling: list[tuple[float, int, float]] = field(default_factory=list)
+    seeds: dict[int, int] = field(default_factory=dict)
+    version: int = 0  #: for "swap": which staged weights to install
+
+    def groups(self) -> list[list[int]]:
+        """Row indices of the prefill pass (new prompts) and of the decode pass (one token each)."""
+        prefill = [i for i, s in enumerate(self.starts) if s == 0]
+        decode = [i for i, s in enumerate(self.starts) if s != 0]
+        return [g for g in (prefill, decode) if g]
+
+
+def sample_token(logits: Any, temperature: float, top_k: int, top_p: float, generator: Any) -> int:
+    """Draw one token id from ``logits[vocab]``: temperature, then top-k, then nucleus (top-p) filtering.
+
+    ``temperature == 0`` is greedy (argmax). Top-p keeps the most probable
+    tokens whose cumulative probability reaches ``top_p`` (always at least one).
+    """
+    import torch
+
+    if temperature == 0:
+        return int(logits.argmax())
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.numel():
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more probable tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Sampler:
+    """Picks each row's next token; one seeded ``torch.Generator`` per slot, so a request's samples
+    depend only on its seed and its logits, not on which other requests share the batch."""
+
+    def __init__(self) -> None:
+        self.generators: dict[int, Any] = {}
+
+    def sample(self, logits: Any, plan: StepPlan, rows: list[int]) -> list[int]:
+        """Tokens for ``rows`` of ``plan`` from ``logits[len(rows), vocab]``."""
+        import torch
+
+        for slot, seed in plan.seeds.items():
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed(seed)
+            self.generators[slot] = gen
+        greedy = logits.argmax(-1).tolist()
+        out = []
+        for j, row in enumerate(rows):
+            temperature, top_k, top_p = plan.sampling[row]
+            if temperature == 0:
+                out.append(int(greedy[j]))
+            else:
+                out.append(sample_token(logits[j], temperature, top_k, top_p, self.generators[plan.slots[row]]))
+        return out
+
+
+@dataclass(frozen=True)
+class StageLinks:
+    """Where this rank sits in a replica's pipeline: global ranks of its peers (None: none)."""
+
+    rank: int
+    prev_rank: int | None  #: same tensor-parallel rank, previous stage
+    next_rank: int | None  #: same tensor-parallel rank, next stage
+    sampler_rank: int  #: the last stage's first tensor-parallel rank
+    hidden_size: int
+    dtype: Any
+
+    @property
+    def is_first(self) -> bool:
+        return self.prev_rank is None
+
+    @property
+    def is_last(self) -> bool:
+        return self.next_rank is None
+
+
+class StepRunner:
+    """Runs :class:`StepPlan`s on one rank's model chunk and its :class:`KVCache`.
+
+    ``links=None``: the chunk is the whole model in this process. Otherwise the
+    step's point-to-point sends go to the ranks ``links`` names; every rank
+    of the replica must run the same plans in the same order. ``compile``
+    (True or a backend name) runs ``forward_cached`` through
+    ``torch.compile(dynamic=True)``: a few graphs (prefill/decode, with or
+    without a mask) compile on first use, which takes tens of seconds on a
+    CPU, then each step runs fused kernels instead of a hundred small ops.
+    """
+
+    def __init__(self, chunk: Any, cache: KVCache, device: Any, links: StageLinks | None = None,
+                 compile: bool | str = False) -> None:
+        import torch
+
+        self.chunk, self.cache, self.device, self.links = chunk, cache, device, links
+        self.sampler = Sampler()
+        self.forward = chunk.forward_cached
+        self.compiled = bool(compile)
+        if compile:
+            cache.views = False
+            backend = compile if isinstance(compile, str) else "inductor"
+            self.forward = torch.compile(chunk.forward_cached, dynamic=True, backend=backend)
+
+    @property
+    def samples(self) -> bool:
+        """This rank picks the tokens (holds the vocabulary head's output)."""
+        return self.links is None or self.links.rank == self.links.sampler_rank
+
+    def run(self, plan: StepPlan) -> list[int] | None:
+        """Run ``plan``; the next token of every row on rank 0, None on other ranks."""
+        import torch
+
+        order: list[int] = []
+        logits: list[Any] = []
+        with torch.no_grad():
+            for rows in plan.groups():
+                out = self._forward(plan, rows)
+                order.extend(rows)
+                if out is not None:
+                    logits.append(out)
+        tokens: list[int] | None = None
+        if self.samples:
+            picked = self.sampler.sample(torch.cat(logits), plan, order)
+            tokens = [0] * len(order)
+            for row, tok in zip(order, picked):
+                tokens[row] = tok
+        return self._to_rank0(tokens, len(order))
+
+    def _forward(self, plan: StepPlan, rows: list[int]) -> Any:
+        """One pass over ``rows`` (all prefill or all decode); logits ``[len(rows), vocab]`` on the last stage."""
+        import torch
+        import torch.distributed as dist
+
+        lens = [len(plan.tokens[r]) for r in rows]
+        width = max(lens)
+        ids = torch.tensor([plan.tokens[r] + [0] * (width - n) for r, n in zip(rows, lens)], dtype=torch.long)
+        starts = torch.tensor([plan.starts[r] for r in rows], dtype=torch.long)
+        positions = (starts[:, None] + torch.arange(width)[None, :]).to(self.device)
+        self.cache.bind(torch.tensor([plan.slots[r] for r in rows], device=self.device), positions,
+                        # compiled: always a mask, so one graph serves uniform and ragged batches
+                        uniform=not self.compiled and len(set(lens)) == 1 and len({plan.starts[r] for r in rows}) == 1)
+        last = torch.tensor(lens, device=self.device) - 1
+        links = self.links
+        if links is None or links.is_first:
+            x = ids.to(self.device)
+        else:
+            x = torch.empty((len(rows), width, links.hidden_size), dtype=links.dtype, device=self.device)
+            dist.recv(x, src=links.prev_rank)
+        h = self.forward(x, positions, self.cache, last)
+        if links is not None and not links.is_last:
+            dist.send(h.contiguous(), dst=links.next_rank)
+            return None
+        return h[:, -1]
+
+    def _to_rank0(self, tokens: list[int] | None, n: int) -> list[int] | None:
+        """Bring the sampled tokens to rank 0 when another rank sampled them."""
+        import torch
+        import torch.distributed as dist
+
+        links = self.links
+        if links is None or links.sampler_rank == 0:
+            return tokens if links is None or links.rank == 0 else None
+        if links.rank == links.sampler_rank:
+            dist.send(torch.tensor(tokens, dtype=torch.long), dst=0)
+            return None
+        if links.rank == 0:
+            buf = torch.empty(n, dtype=torch.long)
+            dist.recv(buf, src=links.sampler_rank)
+            return buf.tolist()
+        return None

@@ -1,0 +1,124 @@
+"""Telemetry snapshots of a process, and asking other processes for theirs.
+
+Every runtime answers ``STATS`` with :func:`stats_snapshot`: who it is
+(address, host, pid), its usage (RSS, CPU), what it sent, and one row per
+actor (status, failure cause with traceback, owner, mailbox depth, counters,
+latency histogram). The controller's dashboard gathers these with
+:func:`gather_stats`; every wait has a deadline and a process that is gone or
+silent yields None instead of a row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..config import get_config
+from ..telemetry import FIGURES, STATE, enable, process_usage
+from ..transport import dumps
+from . import _messages as M
+from ._ports import OnePort
+
+__all__ = ["install", "stats_snapshot", "gather_stats", "telemetry_wanted"]
+
+log = logging.getLogger("actormesh.runtime")
+
+_HOST = socket.gethostname()
+
+
+def telemetry_wanted() -> bool:
+    """Whether the settings in force ask for telemetry (``telemetry`` or a dashboard port)."""
+    cfg = get_config()
+    return bool(cfg.telemetry or cfg.dashboard_port)
+
+
+def install(rt: Any) -> None:
+    """Answer STATS on ``rt``; turn telemetry on when the settings ask for it."""
+    if telemetry_wanted():
+        enable(service=f"actormesh-{rt.name}")
+    STATE.snapshot = lambda: stats_snapshot(rt)
+    STATE.current_actor = _current_actor
+
+    def on_stats(env: tuple[Any, ...]) -> None:
+        rt.reply(env[1], 0, M.OK, dumps(stats_snapshot(rt)))
+
+    rt.on_stats = on_stats
+    cfg = get_config()
+    if cfg.dashboard_port and rt.name == "client" and rt.parent_address is None:
+        _start_dashboard(rt, cfg.dashboard_port, cfg.dashboard_host)
+
+
+def _start_dashboard(rt: Any, port: int, host: str) -> None:
+    """The controller serves the dashboard (``configure(dashboard_port=...)``).
+
+    A lazy import by name: the dashboard sits above this layer and needs FastAPI.
+    A dashboard that cannot start is logged, and the job runs on without it.
+    """
+    try:
+        importlib.import_module("actormesh.dashboard").start_dashboard(port, host, runtime=rt)
+    except Exception as exc:
+        log.error("the dashboard could not start (dashboard_port=%s): %s", port, exc)
+
+
+def _current_actor() -> str | None:
+    from ._actor import _context
+
+    ctx = _context.get()
+    return None if ctx is None else ctx.actor_instance._display
+
+
+def stats_snapshot(rt: Any) -> dict[str, Any]:
+    """This process's telemetry as builtins (see the module docstring)."""
+    cells = list(rt.actors.values())
+    rss, cpu = process_usage()
+    if STATE.on:
+        FIGURES.prune({c.name for c in cells})
+    return {
+        "address": rt.address,
+        "name": rt.name,
+        "hostname": _HOST,
+        "pid": os.getpid(),
+        "parent": rt.parent_address,
+        "time": time.time(),
+        "started": FIGURES.started,
+        "telemetry": STATE.on,
+        "rss_bytes": rss,
+        "cpu_s": cpu,
+        "messages_out": rt.messages_sent(),
+        "bytes_out": FIGURES.bytes_out,
+        "actors": [c.snapshot_row() for c in cells],
+    }
+
+
+def gather_stats(rt: Any, addresses: Sequence[str], timeout_s: float) -> list[dict[str, Any] | None]:
+    """Snapshots of the processes at ``addresses`` (None for one that did not answer in time).
+
+    Call from any thread but ``rt``'s loop thread. ``rt``'s own address is
+    answered locally.
+    """
+    ports: list[OnePort | None] = []
+    for addr in addresses:
+        if addr == rt.address:
+            ports.append(None)
+            continue
+        port = OnePort(rt, "stats", addr)
+        rt.send(addr, (M.STATS, (rt.address, port.port_id)))
+        ports.append(port)
+    deadline = time.monotonic() + timeout_s
+    out: list[dict[str, Any] | None] = []
+    for addr, port in zip(addresses, ports):
+        if port is None:
+            out.append(stats_snapshot(rt))
+            continue
+        try:
+            out.append(port.future.get(timeout=max(0.0, deadline - time.monotonic())))
+        except Exception:
+            out.append(None)  # gone, or busy past the deadline: the caller shows it as silent
+            rt.unregister_port(port.port_id)  # a late answer is dropped; nothing waits on it
+            rt.unawait_peer(addr, port)
+    return out

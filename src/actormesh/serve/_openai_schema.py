@@ -1,0 +1,132 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Only requests are modelled: responses are plain dicts built in ``_openai``
+(the official client parses them). Fields are those of OpenAI's API reference;
+``top_k`` and ``ignore_eos`` are extensions (as in vLLM). Fields that OpenAI defines but this
+server does not implement (log-probabilities, penalties, tools, logit bias) are
+accepted by the schema only so that :func:`unsupported_fields` can answer them
+with a 400 that names the field, rather than a silent wrong answer. A field that
+OpenAI does not define is a 400 too (``extra="forbid"``): a typo such as
+``max_token`` must not be ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with token counts."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Sampling fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    ignore_eos: bool = False  #: extension (as in vLLM): generate past the EOS token, e.g. for benchmarks
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # Defined by OpenAI, not implemented here: rejected when set to a non-default value.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation. Content is text, or a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+#: field -> the value that means "not used"; anything else is answered with a 400
+_UNSUPPORTED: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "logprobs": None,
+    "top_logprobs": None,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+}
+
+
+def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    """Names of fields set to something this server does not implement.
+
+    ``best_of`` equal to ``n`` and ``response_format`` of type ``text`` mean the
+    default behaviour and are allowed; ``logprobs: false`` likewise.
+    """
+    bad = []
+    for name, neutral in _UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if value is None or value == neutral or value is False:
+            continue
+        if name == "tool_choice" and value == "none":
+            continue
+        bad.append(name)
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != req.n:
+        bad.append("best_of")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        bad.append("response_format")
+    return bad

@@ -1,0 +1,52 @@
+"""The contract between generation engines and the HTTP front door.
+
+An engine (a local ``LLMEngine``, or a service of ``LLMServer`` replicas) is a
+``TokenGenerator``: given prompt token ids and ``SamplingParams`` it yields new
+token ids as they are decoded. Closing the iterator early (``aclose()``, or the
+consumer going away) cancels the request and frees its batch slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick new tokens. ``temperature == 0`` means greedy.
+
+    Example::
+
+        SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=1)
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  #: 0 = no top-k filter
+    top_p: float = 1.0  #: 1.0 = no nucleus filter
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@runtime_checkable
+class TokenGenerator(Protocol):
+    """Anything that turns prompts into streams of token ids."""
+
+    #: the longest prompt + max_tokens the model accepts
+    max_context: int
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        """Yield new token ids for ``prompt_ids``; raises ValueError for a prompt over the context."""
+        ...
