@@ -21,6 +21,7 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | heartbeat_interval      | 0.5        | seconds of silence after which a spawner pings a child proc |
 | heartbeat_timeout       | 3.0        | seconds of silence after which its spawner looks at a child proc in the OS: a stopped one (SIGSTOP) is killed, a busy one never (docs/supervision.md, Liveness) |
 | hung_timeout            | 60.0       | seconds a silent child proc may use no CPU while not runnable before it is declared hung and killed |
+| link_timeout            | 10.0       | seconds a peer on another host (a TCP link that is not to a child) may stay silent, pinged every ``heartbeat_interval``, before it is unreachable: its calls fail, owners hear it, and an agent that loses its controller stops that controller's procs; also TCP keepalive / ``TCP_USER_TIMEOUT``. At least twice ``heartbeat_interval`` (docs/supervision.md, Partitions) |
 | shm_threshold_bytes     | 1 MiB      | message buffers this large go to same-host procs through shared memory; 0 = never |
 | shm_pool_bytes          | 1 GiB      | idle shared-memory message buffers a process keeps for reuse |
 | prefix_python_logs_with_actor | True | Python log messages made inside an actor start with ``[actor=<name>] `` |
@@ -91,6 +92,7 @@ class Config:
     heartbeat_interval: float = 0.5
     heartbeat_timeout: float = 3.0
     hung_timeout: float = 60.0
+    link_timeout: float = 10.0
     shm_threshold_bytes: int = 1 << 20
     shm_pool_bytes: int = 1 << 30
     prefix_python_logs_with_actor: bool = True
@@ -219,16 +221,29 @@ def get_runtime_config() -> dict[str, Any]:
         return dict(_runtime)
 
 
+def _consistent(cfg: Config) -> Config:
+    """Refuse settings that contradict each other (naming both values)."""
+    if cfg.link_timeout < 2 * cfg.heartbeat_interval:
+        raise ConfigError(
+            f"link_timeout ({cfg.link_timeout:g}s) must be at least twice heartbeat_interval ({cfg.heartbeat_interval:g}s): "
+            "an idle link is pinged every heartbeat_interval, so a shorter deadline would declare healthy peers unreachable; "
+            "raise link_timeout or lower heartbeat_interval")
+    return cfg
+
+
 def configure(**kw: Any) -> Config:
     """Change settings for this process and the procs it spawns afterwards.
 
-    Unknown keys raise :class:`ConfigError` (a ValueError); wrong types too.
+    Unknown keys raise :class:`ConfigError` (a ValueError); wrong types too, and
+    settings that contradict each other (``link_timeout`` below twice
+    ``heartbeat_interval``).
     """
     global _current
     checked = _check(kw, from_env=False)
     with _lock:
+        new = _consistent(dataclasses.replace(_base, **{**_runtime, **checked}))
         _runtime.update(checked)
-        _current = dataclasses.replace(_base, **_runtime)
+        _current = new
         return _current
 
 
@@ -246,9 +261,10 @@ def configured(**kw: Any) -> Iterator[Config]:
     global _current
     checked = _check(kw, from_env=False)
     with _lock:
+        new = _consistent(dataclasses.replace(_base, **{**_runtime, **checked}))
         saved = dict(_runtime)
         _runtime.update(checked)
-        _current = dataclasses.replace(_base, **_runtime)
+        _current = new
     try:
         yield _current
     finally:

@@ -163,6 +163,7 @@ class HostMesh(MeshTrait):
         calls = []
         for h in range(len(self._shape)):
             agent = self._agents[self._shape.rank_at(h)]  # type: ignore[index]
+            rt.reconnect(agent)  # an agent that was unreachable (a healed partition) is tried again
             ranks = range(h * per, (h + 1) * per)
             names = [f"{base}-{r}" for r in ranks]
             args: tuple[Any, ...] = (names, [str(r) for r in ranks], blob, port, timeout)
@@ -174,6 +175,8 @@ class HostMesh(MeshTrait):
             for agent, fut in calls:
                 agents.append((agent, fut.get(timeout=timeout + 10)))
                 advance(1)
+        for agent, addrs in agents:
+            rt.judge_through(addrs, agent)  # a busy proc is not unreachable while its host answers
         addresses = [a for _, addrs in agents for a in addrs]
         state = _ProcMeshState(None, bootstrap=bootstrap, owner=owner, addresses=addresses, agents=agents)
         _remote_states[id(state)] = state  # so release_hosts() can tear it down with its hosts

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("actormesh.runtime")
 
-__all__ = ["dial", "connection_closed", "peer_gone", "table_sizes", "MAX_TOMBSTONES"]
+__all__ = ["dial", "connection_closed", "peer_gone", "revive", "table_sizes", "MAX_TOMBSTONES"]
 
 #: Dead peers remembered so that late sends to them fail at once (oldest forgotten first).
 MAX_TOMBSTONES = 1024
@@ -52,6 +52,7 @@ async def dial(rt: ProcRuntime, route: Route) -> None:
             timeout_s=rt.config.connect_timeout,
             ssl_context=rt._client_ssl if target.startswith("tcp:") else None,
             shm=rt.shm,
+            dead_after_s=rt.config.link_timeout,
         )
     except AuthenticationError as exc:
         peer_gone(
@@ -139,6 +140,9 @@ def _forget(rt: ProcRuntime, address: str, route: Route) -> None:
             rt._dead.popitem(last=False)
     rt.seq_out.forget(address)
     rt._reorder.forget(address)
+    links = getattr(rt, "links", None)
+    if links is not None:
+        links.forget(address)
     rt._waiting_on.pop(address, None)
     owned = getattr(rt, "owned_meshes", None)
     if owned:
@@ -152,6 +156,23 @@ def _forget(rt: ProcRuntime, address: str, route: Route) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def revive(rt: ProcRuntime, address: str) -> bool:
+    """Forget that ``address`` was unreachable, so it may be reached again (any thread).
+
+    Only an UNREACHABLE tombstone is lifted (a partition healed, an agent came
+    back): a process that exited or was killed stays gone. Sequence numbers
+    start afresh on both sides, which forgot each other when they gave up.
+    """
+    with rt._routes_lock:
+        r = rt._dead.get(address)
+        if r is None or r.dead is None or getattr(r.dead, "kind", None) is not CauseKind.UNREACHABLE:
+            return False
+        del rt._dead[address]
+        if rt._routes.get(address) is r:
+            del rt._routes[address]
+    return True
 
 
 def _live(rt: ProcRuntime, address: str) -> bool:

@@ -26,7 +26,8 @@ from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
 from ._lost import Lost, error_payload, payload_lost, reply_port
 from ._ordering import Reorder, SeqOut
-from ._peers import connection_closed, dial, peer_gone, table_sizes
+from ._links import LinkWatch
+from ._peers import connection_closed, dial, peer_gone, revive, table_sizes
 from ._routes import LocalRoute, Route
 from ._threads import ThreadGroup
 
@@ -110,6 +111,9 @@ class ProcRuntime:
         #: Large message buffers to same-host procs go through shared memory (transport/_shm.py).
         self.shm = ShmPool(self.config.shm_threshold_bytes, self.config.shm_pool_bytes)
         self._listener: Listener = self.loop_thread.run(self._listen(root_address), timeout=30)
+        #: Liveness of links to peers on other hosts (runtime/_links.py).
+        self.links = LinkWatch(self)
+        self.links.start()
 
     def __repr__(self) -> str:
         return f"<ProcRuntime {self.name} at {self.address}>"
@@ -131,6 +135,7 @@ class ProcRuntime:
             handshake_timeout_s=self.config.handshake_timeout,
             ssl_context=self._server_ssl if addr.startswith("tcp:") else None,
             shm=self.shm,
+            dead_after_s=self.config.link_timeout,
         )
         # Set on the loop thread before it can run any frame handler: a spawner that
         # chose our address may dial us (and send) the moment the socket exists.
@@ -216,6 +221,17 @@ class ProcRuntime:
         """
         peer_gone(self, address, reason, expected)
 
+    def judge_through(self, addresses: Sequence[str], agent: str) -> None:
+        """Judge the remote procs at ``addresses`` through their host agent at ``agent``:
+        while the agent answers they are busy, not unreachable (runtime/_links.py)."""
+        self.links.judge_through(addresses, agent)
+
+    def reconnect(self, address: str) -> bool:
+        """Let a peer that was declared unreachable (not one that died) be dialed
+        again on the next send, e.g. a host agent after a healed partition.
+        True if it was unreachable. Loop thread or any thread."""
+        return revive(self, address)
+
     def expect_gone(self, address: str) -> None:
         """The peer at ``address`` is being torn down on purpose (a job kill, a host
         mesh stop): its loss is not a failure and reaches no supervision hook."""
@@ -288,6 +304,15 @@ class ProcRuntime:
             if self.on_hello is not None and self.on_hello(conn, env):
                 return
             r = self.route(env[1])
+            if r.dead is not None and revive(self, env[1]):
+                r = self.route(env[1])  # it was only unreachable, and is back (a healed partition)
+            elif isinstance(r, Route) and r.conn is not None and r.conn is not conn and not r.conn.dialer:
+                # It dialed us before and dials again: it gave up on that connection and numbers
+                # its messages afresh. The old one's close, when we see it, is no longer this peer's loss.
+                old = r.replace(conn)
+                if old is not None:
+                    old.abort()
+                return
             if isinstance(r, Route):
                 r.publish(conn)  # no-op if we already dialed them ourselves
             return
@@ -383,6 +408,7 @@ class ProcRuntime:
         self.closed = True
 
         def shut() -> None:
+            self.links.stop()
             self._listener.close()
             for r in list(self._routes.values()):
                 if isinstance(r, Route) and r.conn is not None:

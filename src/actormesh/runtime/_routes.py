@@ -100,6 +100,15 @@ class Route:
             self.conn = conn
             self.connecting = False
 
+    def replace(self, conn: Connection) -> Connection | None:
+        """Make ``conn`` this route's connection instead of the one it has
+        (loop thread); return the old one. For a peer that dialed us again
+        because it gave up on the old connection (a healed partition)."""
+        with self._lock:
+            old, self.conn = self.conn, None
+        self.publish(conn)
+        return old
+
     def fail(self, reason: Cause) -> list[tuple[Envelope, Sequence[Segment]]]:
         """Mark the peer gone; return what was still queued (to fail its replies)."""
         with self._lock:

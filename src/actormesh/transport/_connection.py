@@ -97,6 +97,8 @@ class Connection(asyncio.BufferedProtocol):
         loop: asyncio.AbstractEventLoop,
         shm: ShmPool | None = None,
     ) -> None:
+        #: Whether this side dialed (False: the peer dialed us).
+        self.dialer = dialer
         self._handshake: Handshake | None = Handshake(secret, dialer=dialer)
         self._hs_buf = bytearray(HANDSHAKE_BYTES)
         self._hs_view = memoryview(self._hs_buf)
@@ -363,6 +365,16 @@ class Connection(asyncio.BufferedProtocol):
     def _abort(self, exc: BaseException) -> None:
         if self._transport is not None and not self.closed:
             self._transport.abort()
+
+    def abort(self) -> None:
+        """Drop the connection now, queued frames and all (thread-safe): for a peer given up on."""
+        if threading.get_ident() == self._loop_thread:
+            self._abort(TransportError("aborted"))
+        else:
+            try:
+                self._loop.call_soon_threadsafe(self._abort, TransportError("aborted"))
+            except RuntimeError:
+                pass
 
     def _fail_ready(self, exc: BaseException) -> None:
         """A dial waiting on the handshake learns the real cause (not "closed")."""

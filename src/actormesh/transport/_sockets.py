@@ -20,7 +20,7 @@ from ..errors import AuthenticationError, TransportError
 from ._connection import CloseHandler, Connection, FrameHandler, parse_address
 from ._shm import ShmPool
 
-__all__ = ["Listener", "connect", "listen"]
+__all__ = ["Listener", "connect", "listen", "tune_tcp"]
 
 
 class Listener:
@@ -99,13 +99,15 @@ async def listen(
     ssl_context: ssl.SSLContext | None = None,
     shm: ShmPool | None = None,
     max_unauthenticated: int = MAX_UNAUTHENTICATED,
+    dead_after_s: float | None = None,
 ) -> Listener:
     """Listen on ``unix:/path`` or ``tcp:host:port`` (port 0 picks a free one).
 
     ``on_connection`` runs once a peer has authenticated. With ``shm``, large
     segments to same-host peers travel through that pool's shared memory. At
     most ``max_unauthenticated`` connections wait in the handshake at once:
-    the oldest is closed to admit a new one.
+    the oldest is closed to admit a new one. ``dead_after_s``: TCP keepalive and
+    ``TCP_USER_TIMEOUT`` on accepted connections (see :func:`tune_tcp`).
     """
     loop = asyncio.get_running_loop()
     scheme, target = parse_address(address)
@@ -118,6 +120,8 @@ async def listen(
         conn = inner()
         conn.ready.add_done_callback(lambda f: None if f.exception() else on_connection(conn))
         loop.call_soon(gate.admit, conn)  # once connection_made has given it a transport
+        if scheme == "tcp":
+            loop.call_soon(_tune, conn, dead_after_s)
         return conn
 
     if scheme == "unix":
@@ -134,14 +138,35 @@ async def listen(
     return Listener(server, f"tcp:{shown}:{bound_port}", None, gate)
 
 
-def _set_nodelay(conn: Connection) -> None:
+def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
+    """No Nagle delay; with ``dead_after_s``, the kernel gives up on a dead link by then.
+
+    Keepalive probes an idle link and ``TCP_USER_TIMEOUT`` bounds how long sent
+    data may stay unacknowledged, so a peer behind a network partition is never
+    held for the kernel's default of about 15 minutes. The runtime's own link
+    watch (heartbeats) decides first; this is the backstop.
+    """
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not dead_after_s:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(dead_after_s / 2))
+    interval = max(1, int(dead_after_s / 6))
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", int(dead_after_s * 1000))):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has all four; others keep what they support
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def _tune(conn: Connection, dead_after_s: float | None) -> None:
     # A peer may already have closed the socket (e.g. a TLS listener meeting a
     # plaintext client): its transport then yields no usable socket; the
-    # handshake wait below reports the closed connection.
+    # handshake wait reports the closed connection.
     try:
         sock = conn._transport.get_extra_info("socket") if conn._transport else None
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            tune_tcp(sock, dead_after_s)
     except (OSError, ValueError):
         pass
 
@@ -157,9 +182,11 @@ async def connect(
     timeout_s: float,
     ssl_context: ssl.SSLContext | None = None,
     shm: ShmPool | None = None,
+    dead_after_s: float | None = None,
 ) -> Connection:
     """Dial and authenticate, retrying with jittered back-off until ``timeout_s``.
 
+    ``dead_after_s``: TCP keepalive and ``TCP_USER_TIMEOUT`` (see :func:`tune_tcp`).
     Raises TransportError (or AuthenticationError) naming the address on failure.
     """
     loop = asyncio.get_running_loop()
@@ -192,7 +219,7 @@ async def connect(
                 )
             _, conn = await asyncio.wait_for(coro, remaining)
             if scheme == "tcp":
-                _set_nodelay(conn)
+                _tune(conn, dead_after_s)
             try:
                 await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
             except asyncio.TimeoutError:
