@@ -1,5 +1,5 @@
-"""The link-liveness rules in virtual time, the restart of a sender's numbering,
-the configuration check and the TCP backstop (real processes: test_partitions.py)."""
+"""The link-liveness rules in virtual time, the configuration check and the TCP
+backstop (real processes: test_partitions.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 from actormesh import config
 from actormesh.errors import ConfigError
 from actormesh.runtime._links import silent_links
-from actormesh.runtime._ordering import ReorderBuffer
 from actormesh.transport._sockets import tune_tcp
 
 
@@ -29,24 +28,6 @@ def test_a_busy_proc_is_kept_while_its_host_agent_answers():
     assert verdicts == [("tcp:h:proc", 30.0, "tcp:h:agent"), ("tcp:h:agent", 15.0, None)]
     # A judge we hold no link to cannot vouch for anyone.
     assert silent_links([("tcp:h:proc", 0.0)], judges, now=30.0, timeout_s=10.0) == [("tcp:h:proc", 30.0, None)]
-
-
-def test_a_sender_that_numbers_afresh_is_released_at_once():
-    buf = ReorderBuffer(gap_timeout_s=5.0)
-    assert [buf.push("s", i, i, now=0.0) for i in range(3)] == [(0,), (1,), (2,)]
-    assert buf.push("s", 5, "held", now=0.1) == ()
-    # The sender gave up on us (a partition) and starts at 0 again: no gap wait, old items dropped.
-    assert buf.push("s", 0, "new0", now=0.2) == ("new0",)
-    assert buf.push("s", 1, "new1", now=0.3) == ("new1",)
-    assert buf.next_expiry() is None
-
-
-def test_a_late_first_message_after_a_skipped_gap_is_still_delivered_late_not_a_restart():
-    buf = ReorderBuffer(gap_timeout_s=1.0)
-    assert buf.push("s", 1, "b", now=0.0) == ()
-    assert buf.expire(now=1.0) == ["b"]
-    assert buf.push("s", 0, "a", now=1.5) == ("a",)  # the skipped one, late
-    assert buf.push("s", 2, "c", now=1.6) == ("c",)  # numbering went on: no restart happened
 
 
 def test_link_timeout_must_be_positive_and_at_least_twice_the_heartbeat_interval():

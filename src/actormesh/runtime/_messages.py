@@ -15,7 +15,8 @@ Layouts (index 0 is the kind):
 ``(sender, seq)`` of CALL and STOP_ACTOR are appended by ``ProcRuntime.send``
 (see _ordering.py); callers build the envelope without them.
 - STOP_PROC   (kind, reply)
-- HELLO       (kind, address, pid, error[, relay])         ``relay`` asks a gateway to relay (see _gateway.py)
+- HELLO       (kind, address, pid, error[, relay | RESTART]) ``relay`` asks a gateway to relay (see _gateway.py);
+              RESTART: the dialer had given this peer up (unreachable) and numbers its messages afresh
 - FAILURE     (kind, owner_actor, mesh_name, rank, cause, display, source_address)
 - SINGLETON   (kind, name, reply)                          get_or_spawn_controller lookup at the root
 - PING / PONG (kind,)                                      liveness probe from a spawner and its answer
@@ -42,6 +43,9 @@ CAST = 11
 REPLY_MULTI = 12
 RELAY_LOST = 13
 STATS = 14
+
+#: HELLO's last field from a dialer that revived the peer (see _peers.revive).
+RESTART = "restart"
 
 OK = 0
 ERROR = 1

@@ -113,29 +113,13 @@ class ReorderBuffer:
         if seq == s.expected and not s.held:
             s.expected += 1
             return True
-        if seq == 0 and s.expected > 0 and not any(lo == 0 for lo, _ in s.skipped):
-            self._restart(sender, s)
-            return True
         return False
-
-    def _restart(self, sender: str, s: _Stream) -> None:
-        """Number 0 again: the sender gave up on us and began anew (a healed partition).
-
-        Numbers are never reused otherwise, so this is not a duplicate; what was
-        held from before is dropped (the sender already failed it on its side).
-        """
-        if s.held:
-            log.warning("%s numbers its messages afresh; dropping %d held from before", sender, len(s.held))
-        s.held.clear()
-        s.skipped.clear()
-        s.expected = 1
-        self._waiting.pop(sender, None)
 
     def push(self, sender: str, seq: int, item: Any, now: float) -> Sequence[Any]:
         """Accept number ``seq`` from ``sender``; return what may be released now."""
-        if self.take_next(sender, seq):
-            return (item,)
-        s = self._streams[sender]
+        s = self._streams.get(sender)
+        if s is None:
+            s = self._streams[sender] = _Stream()
         if seq == s.expected:
             s.expected += 1
             if not s.held:

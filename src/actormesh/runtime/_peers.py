@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("actormesh.runtime")
 
-__all__ = ["dial", "connection_closed", "peer_gone", "revive", "table_sizes", "MAX_TOMBSTONES"]
+__all__ = ["dial", "hello", "connection_closed", "peer_gone", "revive", "table_sizes", "MAX_TOMBSTONES"]
 
 #: Dead peers remembered so that late sends to them fail at once (oldest forgotten first).
 MAX_TOMBSTONES = 1024
@@ -70,8 +70,34 @@ async def dial(rt: ProcRuntime, route: Route) -> None:
         peer_gone(rt, route.address, _unreachable(f"the process at {route.address} is unreachable: {type(exc).__name__}: {exc}", exc))
         return
     conn.tag = route.address
-    conn.send([pickle.dumps((M.HELLO, rt.address, rt.pid, rt.hello_error, *relay), 5)])
+    restart = (M.RESTART,) if route.restart and not relay else ()
+    conn.send([pickle.dumps((M.HELLO, rt.address, rt.pid, rt.hello_error, *relay, *restart), 5)])
     route.publish(conn)
+
+
+def hello(rt: ProcRuntime, conn: Connection, env: tuple) -> None:
+    """A peer identified itself on a connection it dialed (loop thread).
+
+    With RESTART it had given us up as unreachable and begins anew (a healed
+    partition): what either side numbered before is void, and the connection it
+    used before, if we still hold it, is replaced (its close, whenever we see
+    it, is then no longer this peer's loss).
+    """
+    address = env[1]
+    restart = len(env) > 4 and env[4] == M.RESTART
+    if restart:
+        rt._reorder.forget(address)
+        rt.seq_out.forget(address)
+    r = rt.route(address)
+    if r.dead is not None and revive(rt, address, restart=False):
+        r = rt.route(address)  # it was only unreachable, and is back
+    elif restart and isinstance(r, Route) and r.conn is not None and r.conn is not conn:
+        old = r.replace(conn)
+        if old is not None:
+            old.abort()
+        return
+    if isinstance(r, Route):
+        r.publish(conn)  # no-op if we already dialed them ourselves
 
 
 def connection_closed(rt: ProcRuntime, conn: Connection) -> None:
@@ -158,20 +184,22 @@ def _forget(rt: ProcRuntime, address: str, route: Route) -> None:
                 pass
 
 
-def revive(rt: ProcRuntime, address: str) -> bool:
+def revive(rt: ProcRuntime, address: str, restart: bool = True) -> bool:
     """Forget that ``address`` was unreachable, so it may be reached again (any thread).
 
     Only an UNREACHABLE tombstone is lifted (a partition healed, an agent came
     back): a process that exited or was killed stays gone. Sequence numbers
-    start afresh on both sides, which forgot each other when they gave up.
+    start afresh: we forgot the peer when we gave it up, and our HELLO says
+    RESTART so that the peer forgets us too, even if it has not yet seen the
+    old connection close.
     """
     with rt._routes_lock:
         r = rt._dead.get(address)
         if r is None or r.dead is None or getattr(r.dead, "kind", None) is not CauseKind.UNREACHABLE:
             return False
         del rt._dead[address]
-        if rt._routes.get(address) is r:
-            del rt._routes[address]
+        fresh = rt._routes[address] = Route(rt, address)
+        fresh.restart = restart  # our HELLO will tell the peer to drop what it kept of us
     return True
 
 

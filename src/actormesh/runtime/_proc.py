@@ -27,7 +27,7 @@ from ._loop import LoopThread
 from ._lost import Lost, error_payload, payload_lost, reply_port
 from ._ordering import Reorder, SeqOut
 from ._links import LinkWatch
-from ._peers import connection_closed, dial, peer_gone, revive, table_sizes
+from ._peers import connection_closed, dial, hello, peer_gone, revive, table_sizes
 from ._routes import LocalRoute, Route
 from ._threads import ThreadGroup
 
@@ -299,22 +299,11 @@ class ProcRuntime:
                 conn._abort(ProtocolError("no HELLO"))
                 return
             conn.tag = env[1]
-            if len(env) > 4:  # asks to be relayed: a gateway takes the connection over
+            if len(env) > 4 and env[4] != M.RESTART:  # asks to be relayed: a gateway takes the connection over
                 return self.relay(conn, env)
             if self.on_hello is not None and self.on_hello(conn, env):
                 return
-            r = self.route(env[1])
-            if r.dead is not None and revive(self, env[1]):
-                r = self.route(env[1])  # it was only unreachable, and is back (a healed partition)
-            elif isinstance(r, Route) and r.conn is not None and r.conn is not conn and not r.conn.dialer:
-                # It dialed us before and dials again: it gave up on that connection and numbers
-                # its messages afresh. The old one's close, when we see it, is no longer this peer's loss.
-                old = r.replace(conn)
-                if old is not None:
-                    old.abort()
-                return
-            if isinstance(r, Route):
-                r.publish(conn)  # no-op if we already dialed them ourselves
+            hello(self, conn, env)
             return
         if len(segments) == 2 and type(segments[1]) is LostPayload:
             payload_lost(self, env, segments[1].error)

@@ -38,7 +38,7 @@ def _payload_bytes(payload: Sequence[Segment]) -> int:
 class Route:
     """Messages to one remote address, over one connection."""
 
-    __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "child", "sent")
+    __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "restart", "child", "sent")
 
     def __init__(self, runtime: ProcRuntime, address: str, *, child: bool = False) -> None:
         self.address = address
@@ -49,6 +49,8 @@ class Route:
         self.dead: Cause | None = None
         self._runtime = runtime
         self.connecting = False
+        #: Made by reviving a peer given up as unreachable: our HELLO says RESTART.
+        self.restart = False
         #: A child proc dials us; we never dial it.
         self.child = child
         #: Messages handed to this route (for benchmarks and diagnostics).

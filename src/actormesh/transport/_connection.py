@@ -97,8 +97,6 @@ class Connection(asyncio.BufferedProtocol):
         loop: asyncio.AbstractEventLoop,
         shm: ShmPool | None = None,
     ) -> None:
-        #: Whether this side dialed (False: the peer dialed us).
-        self.dialer = dialer
         self._handshake: Handshake | None = Handshake(secret, dialer=dialer)
         self._hs_buf = bytearray(HANDSHAKE_BYTES)
         self._hs_view = memoryview(self._hs_buf)
