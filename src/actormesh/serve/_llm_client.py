@@ -13,6 +13,7 @@ stream early sends a cancel, which frees its batch slot at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -26,6 +27,31 @@ from ._scheduler import check_prompt
 from ._types import SamplingParams
 
 __all__ = ["LLMServerClient"]
+
+
+async def stream_tokens(queue: asyncio.Queue[tuple[str, Any]], timeout_s: float, source: str,
+                        cancel: Callable[[], Any]) -> AsyncIterator[int]:
+    """Yield the token ids a request's ``queue`` receives until ``("end", _)``;
+    raise what ``("failed", exc)`` carries, or TimeoutError after ``timeout_s``
+    without a token. ``cancel()`` (not awaited) when the stream ends before the
+    request did: its consumer went away, or no token came in time."""
+    finished = False
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(queue.get(), timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no token from the {source} within {timeout_s}s (request cancelled)") from None
+            if kind == "token":
+                yield value
+                continue
+            finished = True
+            if kind == "end":
+                return
+            raise value  # the call failed: ValueError, RuntimeError, ReplicaFailed (may or may not have run), ...
+    finally:
+        if not finished:
+            cancel()
 
 
 def receive_batches(receiver: Any, handle: Callable[[Any], None]) -> None:
@@ -109,25 +135,14 @@ class LLMServerClient:
 
         self._sinks[rid] = (loop, queue)
         self.driver.generate.call_one(rid, ids, params, self._port).as_asyncio().add_done_callback(on_call_done)
-        finished = False
         try:
-            while True:
-                try:
-                    async with asyncio.timeout(self.token_timeout_s):
-                        kind, value = await queue.get()
-                except TimeoutError:
-                    raise TimeoutError(f"no token from the LLMServer within {self.token_timeout_s}s (request cancelled)") from None
-                if kind == "token":
-                    yield value
-                    continue
-                finished = True
-                if kind == "end":
-                    return
-                raise value  # the call failed: ValueError, RuntimeError, or the replica died
+            async with contextlib.aclosing(
+                stream_tokens(queue, self.token_timeout_s, "LLMServer", lambda: self.driver.cancel.call_one(rid))
+            ) as tokens:
+                async for token in tokens:
+                    yield token
         finally:
             self._sinks.pop(rid, None)
-            if not finished:
-                self.driver.cancel.call_one(rid)  # not awaited: the stream is closing
 
     def update_weights(self, weights: Any, drain: bool = False, timeout_s: float = 300.0) -> None:
         """Swap the replica's weights with no request lost: a full state dict, or a path every rank reads.

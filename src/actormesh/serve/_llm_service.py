@@ -22,6 +22,7 @@ is ignored there), which frees the slot of the one that has it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ from typing import Any
 from ..parallel import Plan
 from ..runtime import Channel, Port, concurrent_endpoint, endpoint
 from ._errors import ReplicaFailed
-from ._llm_client import receive_batches
+from ._llm_client import receive_batches, stream_tokens
 from ._llm_server import LLMServer, Weights
 from ._scheduler import check_prompt
 from ._service import Service
@@ -324,26 +325,17 @@ class LLMService:
                 queue.put_nowait(("failed", call.exception()))
 
         self._sinks[rid] = push
-        finished = False
         try:
             # route() raises at once when the service cannot take it (overloaded, stopped): it never ran
             self.service.generate.route(rid, ids, params, self._port).as_asyncio().add_done_callback(on_call_done)
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(queue.get(), self.token_timeout_s)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"no token from the LLM replica within {self.token_timeout_s}s (request cancelled)") from None
-                if kind == "token":
-                    yield value
-                    continue
-                finished = True
-                if kind == "end":
-                    return
-                raise value  # the call failed: ReplicaFailed (may or may not have run), ValueError, ...
+            async with contextlib.aclosing(
+                # replicas that do not have the request ignore the cancel
+                stream_tokens(queue, self.token_timeout_s, "LLM replica", lambda: self.service.cancel.fanout(rid))
+            ) as tokens:
+                async for token in tokens:
+                    yield token
         finally:
             self._sinks.pop(rid, None)
-            if not finished:
-                self.service.cancel.fanout(rid)  # not awaited; replicas that do not have it ignore it
 
     def stop(self, timeout_s: float = 120.0) -> None:
         """Stop the watcher and the service (every replica's procs)."""
