@@ -317,3 +317,27 @@ def test_shell_input_ending_hangs_up_a_foreground_command(tmp_path: Path) -> Non
             proc.wait()
     status, took = re.search(r"status (-?\d+) took ([\d.]+)", out).groups()  # type: ignore[union-attr]
     assert int(status) != 0 and float(took) < 40  # hung up, not left to finish its 60 s
+
+
+@pytest.mark.timeout(120)
+def test_a_forward_that_fails_on_one_proc_frees_the_ports_the_others_bound(spawn_procs: Any) -> None:
+    procs = spawn_procs(per_host={"procs": 2})
+    server, dst = _echo_server()
+    blocker = socket.socket()  # another program holds rank 1's source address
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    ports = [_free_port(), blocker.getsockname()[1]]
+    forwarder = this_proc().spawn("port_forwarder", PortForwarder)
+    try:
+        try:
+            with pytest.raises(ActorError, match="Address already in use"):
+                forwarder.forward.call_one(procs, dst, procs, lambda p: f"127.0.0.1:{ports[p['procs']]}").get(timeout=60)
+        finally:
+            blocker.close()
+        # The moment forward() has raised, rank 0's listener is closed: the port binds again.
+        for port in ports:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+    finally:
+        forwarder.stop().get(timeout=60)
+        server.close()

@@ -25,6 +25,7 @@ from ._port_forward import PortForwarder
 from ._shell import shell
 from ._slurm import SlurmJob
 from ._ssh import SSHJob
+from ._tools import DEFAULT_JOB_PATH, MeshAdminConfig, TelemetryConfig
 
 JobTrait = Job  #: Monarch's name for the base class
 
@@ -53,6 +54,9 @@ __all__ = [
     "exec_command",
     "PortForwarder",
     "shell",
+    "DEFAULT_JOB_PATH",
+    "TelemetryConfig",
+    "MeshAdminConfig",
     "attach",
     "attach_to_workers",
     "run_worker_loop_forever",

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from ..mesh import HostMesh, release_hosts
 from ._errors import JobError
+from ._tools import MeshAdminConfig, TelemetryConfig, start_tools
 
 log = logging.getLogger("actormesh.job")
 
@@ -46,6 +47,12 @@ class JobState:
 
     def __init__(self, meshes: dict[str, HostMesh]) -> None:
         self._meshes = dict(meshes)
+        #: The dashboard, when ``enable_telemetry(include_dashboard=True)`` asked for it.
+        self.telemetry_url: str | None = None
+        #: The mesh admin API (the dashboard's JSON API), when ``enable_admin()`` asked for it.
+        self.admin_url: str | None = None
+        #: Monarch's SQL query engine over telemetry: actormesh keeps none (always None).
+        self.query_engine: Any = None
 
     @classmethod
     def from_agents(cls, meshes: dict[str, int], agents: list[str]) -> JobState:
@@ -100,6 +107,8 @@ class Job(ABC):
         self._uid = os.urandom(8).hex()
         self._applied_by: tuple[str, int] | None = None
         self._state: JobState | None = None
+        self._telemetry: TelemetryConfig | None = None
+        self._mesh_admin: MeshAdminConfig | None = None
         _live[self._uid] = self
 
     # -- public surface --------------------------------------------------------------
@@ -127,17 +136,33 @@ class Job(ABC):
         with _lock:
             _applied_here.add(self)
 
+    def enable_telemetry(self, config: TelemetryConfig | None = None, **kwargs: Any) -> Job:
+        """Turn telemetry on (and the dashboard, with ``include_dashboard``) when
+        :meth:`state` connects; ``config`` or ``TelemetryConfig(**kwargs)``. Returns self."""
+        self._telemetry = config if config is not None else TelemetryConfig(**kwargs)
+        return self
+
+    def enable_admin(self, config: MeshAdminConfig | None = None, **kwargs: Any) -> Job:
+        """Serve the mesh admin API (the dashboard's JSON API) when :meth:`state`
+        connects; ``config`` or ``MeshAdminConfig(**kwargs)``. Returns self."""
+        self._mesh_admin = config if config is not None else MeshAdminConfig(**kwargs)
+        return self
+
     def state(self, cached_path: str | None = None) -> JobState:
         """The job's host meshes, applying the job first if it is not running.
 
         Blocks until every host has joined (bounded by the job's timeout;
         JobError names the hosts that did not). With ``cached_path`` the job is
-        also dumped there for other processes (see :func:`job_load`).
+        also dumped there for other processes (see :func:`job_load`), e.g.
+        ``DEFAULT_JOB_PATH``. Tools asked for with :meth:`enable_telemetry` /
+        :meth:`enable_admin` start here (``state.telemetry_url``, ``state.admin_url``).
         """
         if self._state is not None and self._owned_here() and self._is_active():
             return self._state
         self.apply()
         self._state = self._wait_state()
+        self._state.telemetry_url, self._state.admin_url = start_tools(
+            getattr(self, "_telemetry", None), getattr(self, "_mesh_admin", None))
         if cached_path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(cached_path)), exist_ok=True)
             self.dump(cached_path)

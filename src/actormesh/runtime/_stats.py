@@ -24,7 +24,7 @@ from ..transport import dumps
 from . import _messages as M
 from ._ports import OnePort
 
-__all__ = ["install", "stats_snapshot", "gather_stats", "telemetry_wanted"]
+__all__ = ["install", "stats_snapshot", "gather_stats", "telemetry_wanted", "serve_telemetry"]
 
 log = logging.getLogger("actormesh.runtime")
 
@@ -53,16 +53,27 @@ def install(rt: Any) -> None:
         _start_dashboard(rt, cfg.dashboard_port, cfg.dashboard_host)
 
 
-def _start_dashboard(rt: Any, port: int, host: str) -> None:
-    """The controller serves the dashboard (``configure(dashboard_port=...)``).
+def serve_telemetry(rt: Any, dashboard: tuple[str, int] | None = None) -> str | None:
+    """Turn telemetry on in this running process; with ``dashboard`` (host, port),
+    serve the dashboard there too (once per process) and return its URL."""
+    enable(service=f"actormesh-{rt.name}")
+    if dashboard is None:
+        return None
+    host, port = dashboard
+    return _start_dashboard(rt, port, host)
+
+
+def _start_dashboard(rt: Any, port: int, host: str) -> str | None:
+    """The controller serves the dashboard (``configure(dashboard_port=...)``); its URL.
 
     A lazy import by name: the dashboard sits above this layer and needs FastAPI.
     A dashboard that cannot start is logged, and the job runs on without it.
     """
     try:
-        importlib.import_module("actormesh.dashboard").start_dashboard(port, host, runtime=rt)
+        return str(importlib.import_module("actormesh.dashboard").start_dashboard(port, host, runtime=rt).url)
     except Exception as exc:
         log.error("the dashboard could not start (dashboard_port=%s): %s", port, exc)
+        return None
 
 
 def _current_actor() -> str | None:
