@@ -32,6 +32,9 @@ from actormesh.actor import (
 from conftest import wait_for
 
 T = 20  # bound of every .get()
+#: "Fails at once": with no wait on T or a round trip to procs that are gone. Well under T,
+#: with room for a machine busy with other work (these take milliseconds when it is idle).
+AT_ONCE_S = 5.0
 
 
 class Cleaned(Actor):
@@ -160,7 +163,7 @@ def test_proc_mesh_stop_returns_future_and_later_calls_fail_at_once(spawn_procs,
         a.incr.choose().get(timeout=T)
     with pytest.raises(SupervisionError, match="stopped"):
         a.incr.broadcast()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < AT_ONCE_S
 
     _controller_round_trip()
     assert faults.failures == [], "stopping is not a failure"
@@ -175,7 +178,7 @@ def test_spawning_on_a_stopped_proc_mesh_fails_clearly(spawn_procs, faults):
         procs.spawn("b", Plain).incr.call_one().get(timeout=T)
     with pytest.raises((SupervisionError, RuntimeError), match="stopped"):
         procs.slice(gpus=0).spawn("c", Plain)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < AT_ONCE_S
     _controller_round_trip()
     assert faults.failures == []
 
@@ -200,7 +203,7 @@ def test_actor_mesh_stop_returns_future_calls_fail_procs_live_on(spawn_procs, fa
         a.incr.call().get(timeout=T)
     with pytest.raises(SupervisionError, match="stopped"):
         a.slice(gpus=0).incr.call_one().get(timeout=T)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < AT_ONCE_S
     # The procs are untouched: a new actor mesh works there.
     b = procs.spawn("b", Plain)
     assert b.incr.call().get(timeout=T).values() == [1, 1]
