@@ -3,6 +3,10 @@ supervision event may kill the test runner."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -118,3 +122,60 @@ def module_procs(per_host: dict[str, int], timeout: float = 60) -> Iterator[Any]
         yield pm
     finally:
         pm.stop().get(timeout=30)
+
+
+class Bridged:
+    """Network namespaces on a bridge of their own: this side is ``net.1``, namespace i is ``net.{11 + i}``."""
+
+    def __init__(self, tag: str, net: str, count: int) -> None:
+        self.tag = tag
+        self.net = net
+        self.bridge = f"{tag}br"
+        self.namespaces = [f"{tag}n{i}" for i in range(count)]
+        #: the bridge-side end of each namespace's link (set it down to cut that host off)
+        self.ports = [f"{tag}h{i}" for i in range(count)]
+
+    def address(self, i: int | None = None) -> str:
+        """The IP of namespace ``i`` (None: this side's, on the bridge)."""
+        return f"{self.net}.1" if i is None else f"{self.net}.{11 + i}"
+
+
+@contextlib.contextmanager
+def bridged_namespaces(count: int, prefix: str) -> Iterator[Bridged]:
+    """``count`` network namespaces on a bridge, removed afterwards; skips the test
+    where namespaces cannot be made. Names and the /24 are per process, so a second
+    test run beside this one gets its own."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    b = Bridged(f"{prefix}{os.getpid() % 100000}", f"198.18.{20 + os.getpid() % 200}", count)
+
+    def ip(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+    try:
+        if ip("link", "add", b.bridge, "type", "bridge").returncode != 0:
+            pytest.skip("cannot create a bridge here")
+        ip("addr", "add", f"{b.address()}/24", "dev", b.bridge)
+        ip("link", "set", b.bridge, "up")
+        for i, (ns, host_end) in enumerate(zip(b.namespaces, b.ports)):
+            if ip("netns", "add", ns).returncode != 0:
+                pytest.skip("cannot create network namespaces here")
+            ns_end = f"{b.tag}v{i}"
+            for args in (
+                ("link", "add", host_end, "type", "veth", "peer", "name", ns_end),
+                ("link", "set", ns_end, "netns", ns),
+                ("link", "set", host_end, "master", b.bridge),
+                ("link", "set", host_end, "up"),
+                ("netns", "exec", ns, "ip", "addr", "add", f"{b.address(i)}/24", "dev", ns_end),
+                ("netns", "exec", ns, "ip", "link", "set", ns_end, "up"),
+                ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
+            ):
+                r = ip(*args)
+                assert r.returncode == 0, (args, r.stderr)
+        yield b
+    finally:
+        for ns in b.namespaces:
+            ip("netns", "del", ns)
+        for port in b.ports:
+            ip("link", "del", port)
+        ip("link", "del", b.bridge)

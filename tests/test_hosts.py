@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from conftest import bridged_namespaces
 
 from actormesh.actor import Actor, endpoint
 from actormesh.mesh import HostMesh
@@ -104,7 +104,8 @@ _NETNS_CONTROLLER = textwrap.dedent(
     """
     import os, subprocess, sys
     from actormesh import config
-    config.configure(default_transport="tcp", bind_host="198.18.0.1")
+    net = sys.argv[2]
+    config.configure(default_transport="tcp", bind_host=f"{net}.1")
     from actormesh.mesh import HostMesh
     from actormesh.runtime import current_runtime
     sys.path.insert(0, sys.argv[1])
@@ -116,9 +117,9 @@ _NETNS_CONTROLLER = textwrap.dedent(
     os.write(fd, rt.secret.hex().encode()); os.close(fd)
     agents, addrs = [], []
     try:
-        for i, ns in enumerate(sys.argv[2:]):
+        for i, ns in enumerate(sys.argv[3:]):
             p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "actormesh.host", "--address",
-                                  f"tcp:198.18.0.{11 + i}:0", "--secret-file", secret, "--print-address"], stdout=subprocess.PIPE, text=True,
+                                  f"tcp:{net}.{11 + i}:0", "--secret-file", secret, "--print-address"], stdout=subprocess.PIPE, text=True,
                                  env=dict(os.environ, PYTHONPATH=sys.argv[1]))
             agents.append(p)
             addrs.append(p.stdout.readline().strip())
@@ -138,44 +139,13 @@ _NETNS_CONTROLLER = textwrap.dedent(
 
 
 def test_agents_in_separate_network_namespaces(tmp_path):
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and iproute2 to create network namespaces")
-    tag = f"am{os.getpid() % 100000}"
-    bridge, namespaces = f"{tag}br", [f"{tag}n{i}" for i in range(2)]
-
-    def ip(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-
-    try:
-        if ip("link", "add", bridge, "type", "bridge").returncode != 0:
-            pytest.skip("cannot create a bridge here")
-        ip("addr", "add", "198.18.0.1/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for i, ns in enumerate(namespaces):
-            if ip("netns", "add", ns).returncode != 0:
-                pytest.skip("cannot create network namespaces here")
-            host_end, ns_end = f"{tag}h{i}", f"{tag}v{i}"
-            for args in (
-                ("link", "add", host_end, "type", "veth", "peer", "name", ns_end),
-                ("link", "set", ns_end, "netns", ns),
-                ("link", "set", host_end, "master", bridge),
-                ("link", "set", host_end, "up"),
-                ("netns", "exec", ns, "ip", "addr", "add", f"198.18.0.{11 + i}/24", "dev", ns_end),
-                ("netns", "exec", ns, "ip", "link", "set", ns_end, "up"),
-                ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
-            ):
-                r = ip(*args)
-                assert r.returncode == 0, (args, r.stderr)
+    with bridged_namespaces(2, "am") as net:
         script = tmp_path / "controller.py"
         script.write_text(_NETNS_CONTROLLER)
-        out = subprocess.run([sys.executable, str(script), os.path.dirname(__file__), *namespaces], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, str(script), os.path.dirname(__file__), net.net, *net.namespaces], capture_output=True,
+                             text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.startswith("ok")
-    finally:
-        for ns in namespaces:
-            ip("netns", "del", ns)
-        ip("link", "del", bridge)
-
 
 
 _DEPARTING_CONTROLLER = """

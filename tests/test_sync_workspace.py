@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import bridged_namespaces
 
 from actormesh.actor import this_host
 from actormesh.job import ProcessJob
@@ -208,50 +209,22 @@ finally:
 def test_hosts_in_separate_network_namespaces(tmp_path: Path) -> None:
     """Agents in their own network namespaces, reached over a bridge: files travel over TCP between namespaces."""
     import json
-    import shutil
     import subprocess
 
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and iproute2 to create network namespaces")
-    tag = f"ams{os.getpid() % 100000}"
-    net = f"198.18.{20 + os.getpid() % 200}"
-    bridge, namespaces = f"{tag}br", [f"{tag}n{i}" for i in range(2)]
-
-    def ip(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-
-    try:
-        if ip("link", "add", bridge, "type", "bridge").returncode != 0:
-            pytest.skip("cannot create a bridge here")
-        ip("addr", "add", f"{net}.1/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for i, ns in enumerate(namespaces):
-            if ip("netns", "add", ns).returncode != 0:
-                pytest.skip("cannot create network namespaces here")
-            host_end, ns_end = f"{tag}h{i}", f"{tag}v{i}"
-            for args in (("link", "add", host_end, "type", "veth", "peer", "name", ns_end), ("link", "set", ns_end, "netns", ns),
-                         ("link", "set", host_end, "master", bridge), ("link", "set", host_end, "up"),
-                         ("netns", "exec", ns, "ip", "addr", "add", f"{net}.{11 + i}/24", "dev", ns_end),
-                         ("netns", "exec", ns, "ip", "link", "set", ns_end, "up"), ("netns", "exec", ns, "ip", "link", "set", "lo", "up")):
-                r = ip(*args)
-                assert r.returncode == 0, (args, r.stderr)
+    with bridged_namespaces(2, "ams") as net:
         src = tmp_path / "src"
         _write(src, {"a.txt": b"one", "gone.txt": b"bye", "pkg/m.py": b"X = 1\n"})
         script = tmp_path / "controller.py"
         script.write_text(_NETNS_CONTROLLER)
-        ns_args = [a for i, ns in enumerate(namespaces) for a in (ns, f"{net}.{11 + i}")]
-        out = subprocess.run([sys.executable, str(script), f"{net}.1", str(src), str(tmp_path), *ns_args],
+        ns_args = [a for i, ns in enumerate(net.namespaces) for a in (ns, net.address(i))]
+        out = subprocess.run([sys.executable, str(script), net.address(), str(src), str(tmp_path), *ns_args],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         got = json.loads(out.stdout.strip().splitlines()[-1])
-        assert [a.rsplit(":", 1)[0] for a in got["addrs"]] == [f"tcp:{net}.11", f"tcp:{net}.12"]
+        assert [a.rsplit(":", 1)[0] for a in got["addrs"]] == [f"tcp:{net.address(0)}", f"tcp:{net.address(1)}"]
         assert got["sent"] == [2 * 3, 2 * 2] and got["changed"] == {"src": ["a.txt", "gone.txt", "new.txt"]}
         for i in range(2):
             assert _tree(tmp_path / f"ws{i}" / "src") == {"a.txt": b"changed", "new.txt": b"added", "pkg/m.py": b"X = 1\n"}
-    finally:
-        for ns in namespaces:
-            ip("netns", "del", ns)
-        ip("link", "del", bridge)
 
 
 def test_a_monarch_style_workspace_with_renames_and_excludes(tmp_path: Path) -> None:
