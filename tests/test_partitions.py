@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import Bridged, bridged_namespaces
 
 LINK_TIMEOUT = 4.0
 
@@ -29,7 +29,8 @@ _COMMON = textwrap.dedent(
     import psutil
     from actormesh import config
     LINK_S = @LINK@
-    config.configure(default_transport="tcp", bind_host="198.18.0.1", link_timeout=LINK_S, heartbeat_interval=0.5)
+    NET = sys.argv[3]  # this side is NET.1, host i is NET.{11 + i}
+    config.configure(default_transport="tcp", bind_host=f"{NET}.1", link_timeout=LINK_S, heartbeat_interval=0.5)
     import actormesh.actor as am
     from actormesh.actor import Actor, endpoint
     from actormesh.errors import ActorUnreachableError, SupervisionError
@@ -79,7 +80,7 @@ _COMMON = textwrap.dedent(
     agents, addrs = [], []
     for i, ns in enumerate(namespaces):
         p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "actormesh.host", "--address",
-                              f"tcp:198.18.0.{11 + i}:0", "--secret-file", secret, "--print-address"], stdout=subprocess.PIPE, text=True,
+                              f"tcp:{NET}.{11 + i}:0", "--secret-file", secret, "--print-address"], stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, ACTORMESH_LINK_TIMEOUT=str(LINK_S), ACTORMESH_HEARTBEAT_INTERVAL="0.5"))
         agents.append(p)
         addrs.append(p.stdout.readline().strip())
@@ -159,10 +160,10 @@ _CUT_DIRECTIONS = _COMMON + textwrap.dedent(
 
         # Only B -> controller dropped: the controller still reaches B, but hears nothing back.
         t0 = time.monotonic()
-        ip("netns", "exec", namespaces[1], "ip", "route", "add", "blackhole", "198.18.0.1/32")
+        ip("netns", "exec", namespaces[1], "ip", "route", "add", "blackhole", f"{NET}.1/32")
         pending = b.work.call_one(1, 0.0)
         one_way = outcome(pending, t0)
-        ip("netns", "exec", namespaces[1], "ip", "route", "del", "blackhole", "198.18.0.1/32")
+        ip("netns", "exec", namespaces[1], "ip", "route", "del", "blackhole", f"{NET}.1/32")
         emit("one_way", result=one_way)
 
         # The controller cut off from every host (the bridge down).
@@ -187,52 +188,18 @@ _CUT_DIRECTIONS = _COMMON + textwrap.dedent(
 
 
 @pytest.fixture
-def two_hosts() -> Iterator[tuple[list[str], list[str]]]:
-    """Two network namespaces on a bridge (198.18.0.1 is this side); yields
-    (namespaces, [port of host 0, port of host 1, bridge])."""
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and iproute2 to create network namespaces")
-    tag = f"ap{os.getpid() % 100000}"
-    bridge, namespaces = f"{tag}br", [f"{tag}n{i}" for i in range(2)]
-
-    def ip(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-
-    ports = []
-    try:
-        if ip("link", "add", bridge, "type", "bridge").returncode != 0:
-            pytest.skip("cannot create a bridge here")
-        ip("addr", "add", "198.18.0.1/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for i, ns in enumerate(namespaces):
-            if ip("netns", "add", ns).returncode != 0:
-                pytest.skip("cannot create network namespaces here")
-            host_end, ns_end = f"{tag}h{i}", f"{tag}v{i}"
-            ports.append(host_end)
-            for args in (
-                ("link", "add", host_end, "type", "veth", "peer", "name", ns_end),
-                ("link", "set", ns_end, "netns", ns),
-                ("link", "set", host_end, "master", bridge),
-                ("link", "set", host_end, "up"),
-                ("netns", "exec", ns, "ip", "addr", "add", f"198.18.0.{11 + i}/24", "dev", ns_end),
-                ("netns", "exec", ns, "ip", "link", "set", ns_end, "up"),
-                ("netns", "exec", ns, "ip", "link", "set", "lo", "up"),
-            ):
-                r = ip(*args)
-                assert r.returncode == 0, (args, r.stderr)
-        yield namespaces, [*ports, bridge]
-    finally:
-        for ns in namespaces:
-            ip("netns", "del", ns)
-        for port in ports:
-            ip("link", "del", port)
-        ip("link", "del", bridge)
+def two_hosts() -> Iterator[Bridged]:
+    """Two hosts in network namespaces on a bridge (see conftest.bridged_namespaces)."""
+    with bridged_namespaces(2, "ap") as net:
+        yield net
 
 
-def _run(tmp_path: Path, script: str, namespaces: list[str], ports: list[str], timeout: float) -> dict[str, Any]:
+def _run(tmp_path: Path, script: str, net: Bridged | None, timeout: float) -> dict[str, Any]:
+    """Run a controller script; argv: namespaces, [host ports..., bridge], the /24."""
     path = tmp_path / "controller.py"
     path.write_text(script)
-    proc = subprocess.Popen([sys.executable, str(path), ",".join(namespaces), ",".join(ports)], stdout=subprocess.PIPE,
+    args = [",".join(net.namespaces), ",".join([*net.ports, net.bridge]), net.net] if net is not None else []
+    proc = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -252,8 +219,7 @@ def _run(tmp_path: Path, script: str, namespaces: list[str], ports: list[str], t
 
 @pytest.mark.timeout(240)
 def test_a_cut_off_host_fails_its_calls_in_bounded_time_and_fences_itself(two_hosts, tmp_path):
-    namespaces, ports = two_hosts
-    phases = _run(tmp_path, _CUT_ONE_HOST, namespaces, ports, timeout=200)
+    phases = _run(tmp_path, _CUT_ONE_HOST, two_hosts, timeout=200)
 
     short = phases["short"]
     assert [r[:2] for r in short["results"]] == [["ok", i] for i in range(10)], short
@@ -263,7 +229,7 @@ def test_a_cut_off_host_fails_its_calls_in_bounded_time_and_fences_itself(two_ho
     long = phases["long"]
     for kind, text, took in long["results"]:
         assert kind == "unreachable", (kind, text)
-        assert "unreachable" in text and "198.18.0.12" in text and "silent for" in text, text
+        assert "unreachable" in text and two_hosts.address(1) in text and "silent for" in text, text
         assert took <= LINK_TIMEOUT + 5, (took, text)  # the deadline plus 5 s at most
     assert long["after"][0] == "unreachable" and long["after"][2] < 1.0, long["after"]  # new calls fail at once
     assert long["a_max_s"] < 2.0, long  # the other host was unaffected
@@ -277,10 +243,52 @@ def test_a_cut_off_host_fails_its_calls_in_bounded_time_and_fences_itself(two_ho
 
 @pytest.mark.timeout(240)
 def test_one_way_loss_and_a_controller_cut_off_from_every_host(two_hosts, tmp_path):
-    namespaces, ports = two_hosts
-    phases = _run(tmp_path, _CUT_DIRECTIONS, namespaces, ports, timeout=200)
+    phases = _run(tmp_path, _CUT_DIRECTIONS, two_hosts, timeout=200)
     kind, text, took = phases["one_way"]["result"]
     assert kind == "unreachable" and took <= LINK_TIMEOUT + 5, (kind, text, took)
     results = phases["all"]["results"]
     assert all(k == "unreachable" and took <= LINK_TIMEOUT + 5 for k, _, took in results), results
     assert phases["all"]["new"] == [9, 9]
+
+
+_BUSY = textwrap.dedent(
+    """
+    import ctypes, json, os, subprocess, sys, time
+    from actormesh import config
+    config.configure(default_transport="tcp", link_timeout=2.0, heartbeat_interval=0.5)
+    from actormesh.actor import Actor, endpoint
+    from actormesh.mesh import HostMesh
+    from actormesh.runtime import current_runtime
+
+    class Busy(Actor):
+        @endpoint
+        def hold_gil(self, seconds):
+            ctypes.PyDLL(None).sleep(seconds)  # C code that keeps the GIL: the proc's I/O loop is frozen too
+            return "done"
+
+    rt = current_runtime()
+    secret = os.path.join(rt.job_dir, "secret")
+    with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(rt.secret.hex())
+    agent = subprocess.Popen([sys.executable, "-m", "actormesh.host", "--address", "tcp:127.0.0.1:0", "--secret-file", secret,
+                              "--print-address"], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, ACTORMESH_LINK_TIMEOUT="2.0", ACTORMESH_HEARTBEAT_INTERVAL="0.5"))
+    try:
+        procs = HostMesh(agents=[agent.stdout.readline().strip()]).spawn_procs(per_host={"gpus": 1})
+        b = procs.spawn("b", Busy)
+        t0 = time.monotonic()
+        print("RESULT " + json.dumps({"phase": "busy", "result": b.hold_gil.call_one(5).get(timeout=60),
+                                      "took": time.monotonic() - t0}), flush=True)
+        procs.stop().get(timeout=60)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_remote_proc_holding_the_gil_past_the_deadline_is_busy_not_unreachable(tmp_path):
+    """Its own link is silent for 5 s (link_timeout 2 s), but its host agent answers."""
+    phases = _run(tmp_path, _BUSY, None, timeout=100)
+    assert phases["busy"]["result"] == "done" and phases["busy"]["took"] >= 5, phases

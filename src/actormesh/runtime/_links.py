@@ -15,6 +15,9 @@ controller, procs to procs across hosts):
   hears it, later sends fail at once, and the connection is aborted so that
   the far side, if it still hears us, learns it at once too.
 
+A process that was itself frozen (a late round) judges nobody until the
+silence clocks restart: the traffic that arrived meanwhile is not read yet.
+
 Busy is not dead: a proc spawned by a host agent is judged through that agent
 (:meth:`LinkWatch.judge_through`). While the agent answers, the proc is kept
 however long it is silent (a long call holding the GIL); the agent's own judge
@@ -87,6 +90,11 @@ class LinkWatch:
         self._pinged: dict[int, float] = {}
         self._timer: Any = None
         self._stopped = False
+        #: When this watch last ran a round, and since when it may judge silence: a
+        #: round that comes late (this process was frozen: GIL held, SIGSTOP) restarts
+        #: every silence clock, since what arrived meanwhile is not read yet.
+        self._last_round: float | None = None
+        self._judging_since = clock()
 
     def start(self) -> None:
         """Run rounds every ``heartbeat_interval / 2`` (any thread)."""
@@ -98,6 +106,14 @@ class LinkWatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def resume(self) -> None:
+        """Rounds again after :meth:`stop` (loop thread; benchmarks compare on and off)."""
+        if self._stopped:
+            self._stopped = False
+            self._last_round = None
+            self._judging_since = self._clock()
+            self._round()
 
     def judge_through(self, addresses: Iterable[str], agent: str) -> None:
         """Judge the procs at ``addresses`` through the host agent at ``agent`` (any thread)."""
@@ -127,6 +143,9 @@ class LinkWatch:
             return
         cfg = rt.config
         now = self._clock()
+        if self._last_round is not None and now - self._last_round > 2 * cfg.heartbeat_interval:
+            self._judging_since = now  # we were frozen, not them
+        self._last_round = now
         links = self._watched()
         for conn in links.values():
             if now - conn.last_rx >= cfg.heartbeat_interval and now - self._pinged.get(id(conn), 0.0) >= cfg.heartbeat_interval:
@@ -138,7 +157,8 @@ class LinkWatch:
         live = {id(c) for c in links.values()}
         for key in [k for k in self._pinged if k not in live]:
             del self._pinged[key]
-        verdicts = silent_links(((a, c.last_rx) for a, c in links.items()), self.judges, now, cfg.link_timeout)
+        since = self._judging_since
+        verdicts = silent_links(((a, max(c.last_rx, since)) for a, c in links.items()), self.judges, now, cfg.link_timeout)
         for address, silent, judge in verdicts:
             self._unreachable(address, links[address], silent, judge, cfg.link_timeout)
         self._timer = rt.loop.call_later(cfg.heartbeat_interval / 2, self._round)
