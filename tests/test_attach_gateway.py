@@ -128,6 +128,26 @@ while not failures and time.monotonic() < deadline:
 emit({"after": after, "failures": [str(f) for f in failures]})
 """
 
+_FROZEN_GATEWAY = _COMMON + """
+failures = []
+am.unhandled_fault_hook = failures.append
+gateway, worker = sys.argv[1:]
+attach(gateway)
+hosts = attach_to_workers(workers=[worker])
+procs = hosts.spawn_procs(per_host={"procs": 1})
+echo = procs.spawn("echo", Echo)
+first = echo.echo.call_one("before").get(timeout=T)[0]
+emit({"ready": first})
+sys.stdin.readline()  # the test freezes the gateway now: packets go nowhere, nothing closes
+t0 = time.monotonic()
+try:
+    echo.echo.call_one("after").get(timeout=T)
+    after = "no error"
+except SupervisionError as exc:
+    after = str(exc)
+emit({"after": after, "took": time.monotonic() - t0, "failures": [str(f) for f in failures]})
+"""
+
 _ORPHANS = _COMMON + """
 gateway = sys.argv[1]
 attach(gateway)
@@ -313,6 +333,31 @@ def test_losing_the_gateway_fails_calls_at_once_naming_it(workers: Workers, tmp_
     assert "echo.echo() failed" in out["after"] and named in out["after"], out["after"]
     # The owner hears it too, as a supervision event.
     assert len(out["failures"]) == 1 and named in out["failures"][0], out["failures"]
+
+
+def test_a_frozen_gateway_is_noticed_by_its_client_within_the_link_timeout(workers: Workers, tmp_path: Path) -> None:
+    """A gateway that stops answering closes nothing: the client's heartbeats, sent through
+    it to the procs, go unanswered, and its calls fail as unreachable (link_timeout 2 s)."""
+    gateway, other = workers.addresses
+    env = {**workers.env, "ACTORMESH_LINK_TIMEOUT": "2", "ACTORMESH_HEARTBEAT_INTERVAL": "0.5"}
+    client = workers.client(_FROZEN_GATEWAY, gateway, other, tmp_path=tmp_path, name="frozen_gateway", env=env)
+    frozen = psutil.Process(workers.procs[0].pid)
+    try:
+        assert _result(client)["ready"] == "before"
+        frozen.suspend()
+        assert client.stdin is not None
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        out = _result(client)
+        assert client.wait(timeout=60) == 0
+    finally:
+        frozen.resume()
+        if client.poll() is None:
+            client.kill()
+            client.wait(timeout=10)
+    assert "unreachable" in out["after"] and "silent for" in out["after"], out
+    assert out["took"] <= 2 + 5, out
+    assert out["failures"] and all("unreachable" in f for f in out["failures"]), out  # the owner hears it too
 
 
 def test_gateway_stops_the_procs_of_a_client_that_vanished(workers: Workers, tmp_path: Path) -> None:

@@ -51,8 +51,17 @@ class _DuplexLeg:
     def last_rx(self) -> float:
         return self._duplex.last_rx
 
+    @property
+    def closed(self) -> bool:
+        return self._duplex.closed
+
     def close(self) -> None:
         pass  # the duplex is shared: the runtime closes it once (_Duplex.close)
+
+    def abort(self) -> None:
+        """A peer behind the gateway fell silent (runtime/_links.py): every peer is behind
+        this one duplex, so the duplex goes, and with it what every peer owed us."""
+        self._duplex.abort()
 
 
 class _Duplex:
@@ -124,6 +133,7 @@ class AttachedRuntime(ProcRuntime):
                 timeout_s=self.config.connect_timeout,
                 ssl_context=self._client_ssl if gateway.startswith("tcp:") else None,
                 shm=self.shm,
+                dead_after_s=self.config.link_timeout,
             )
         except AuthenticationError as exc:
             raise AuthenticationError(f"attach({gateway!r}): the gateway did not accept this job's secret: {exc} "
