@@ -100,6 +100,9 @@ def main() -> None:
         def run() -> None:
             for cell in list(rt.actors.values()):
                 cell.thread.join(max(0.0, deadline - time.monotonic()))
+            # What the actors sent before they stopped still leaves (a reply, a port.send),
+            # within the same deadline: a peer still being dialed must not lose it.
+            rt.flush(max(0.0, deadline - time.monotonic()))
             stop.set()
 
         rt.threads.start(run, name="actormesh-stop")

@@ -422,6 +422,25 @@ class ProcRuntime:
         if self.owns_job_dir:
             remove_job_dir(self.job_dir)
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until what this process has sent is in the kernel:
+        routes still dialing have connected and written their queue, and no connection
+        holds unwritten frames. A proc that is about to exit calls it, so that a message
+        its actors sent just before the stop still leaves. True if everything left."""
+
+        async def drained() -> bool:
+            deadline = self.loop.time() + timeout_s
+            while any(r.sending for r in list(self._routes.values()) if isinstance(r, Route)):
+                if self.loop.time() >= deadline:
+                    return False
+                await asyncio.sleep(0.005)  # a dial or a socket write finishing: polled, bounded by the deadline
+            return True
+
+        try:
+            return bool(self.loop_thread.run(drained(), timeout=timeout_s + 1.0))
+        except Exception:
+            return False
+
     def release_files(self) -> None:
         """Before ``os._exit``: stop accepting, remove this process's socket file and,
         if this runtime made it, the job directory (any thread; bounded)."""

@@ -102,6 +102,17 @@ class Route:
             self.conn = conn
             self.connecting = False
 
+    @property
+    def sending(self) -> bool:
+        """Whether messages to this peer are still on their way out of this process
+        (waiting for the dial, or not yet in the kernel). Loop thread."""
+        if self.dead is not None:
+            return False
+        if self._pending:
+            return True
+        conn = self.conn
+        return conn is not None and not getattr(conn, "drained", True)
+
     def replace(self, conn: Connection) -> Connection | None:
         """Make ``conn`` this route's connection instead of the one it has
         (loop thread); return the old one. For a peer that dialed us again

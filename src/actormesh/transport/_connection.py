@@ -364,6 +364,15 @@ class Connection(asyncio.BufferedProtocol):
         if self._transport is not None and not self.closed:
             self._transport.abort()
 
+    @property
+    def drained(self) -> bool:
+        """Whether every frame sent so far has reached the kernel (loop thread); True once
+        closed, since nothing more will."""
+        if self.closed:
+            return True
+        transport = self._transport
+        return not self._outbox and not self._scheduled and (transport is None or transport.get_write_buffer_size() == 0)
+
     def abort(self) -> None:
         """Drop the connection now, queued frames and all (thread-safe): for a peer given up on."""
         if threading.get_ident() == self._loop_thread:
