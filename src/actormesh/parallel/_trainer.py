@@ -21,8 +21,10 @@ from typing import Any, cast
 
 from ..mesh import ActorMesh, ProcMesh
 from ..runtime import Actor, endpoint
-from ._pipeline import build_schedule, cut_to_stage, stage_ids
+from ._pipeline import cut_to_stage, stage_ids
 from ._plan import Plan, PlanError
+from ._train_figures import StepFigures
+from ._train_options import TrainOptions
 
 __all__ = ["Trainer", "spawn_trainer", "gather_state_dict"]
 
@@ -33,15 +35,21 @@ class Trainer(Actor):
     """Holds this rank's model chunk(s), optimizer(s) and pipeline schedule.
 
     Endpoints (call them on the whole mesh): ``setup()``, ``step(batch) -> loss``,
-    ``state_dict()``, ``load_state_dict(sd)``, ``save(path)``, ``load(path)``, ``info()``.
+    ``step_figures(batch) -> StepFigures``, ``state_dict()``, ``load_state_dict(sd)``,
+    ``save(path)``, ``load(path)``, ``info()``.
     """
 
     def __init__(self, model_fn: Callable[[], Any], loss_fn: Callable[[Any, Any], Any], optimizer_fn: Callable[[Any], Any],
-                 plan: Plan, stages: Sequence[range] | None = None, seed: int = 0, pg_timeout_s: float = 600.0) -> None:
+                 plan: Plan, stages: Sequence[range] | None = None, seed: int = 0, pg_timeout_s: float = 600.0,
+                 options: TrainOptions | None = None) -> None:
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.plan, self.stage_ranges, self.seed, self.pg_timeout_s = plan, stages, seed, pg_timeout_s
+        self.options = options if options is not None else TrainOptions()
         self.chunks: list[Any] = []
         self.optimizers: list[Any] = []
+        self.schedulers: list[Any] = []
+        self.n_params = 0
+        self.peak_flops: float | None = None
         self.schedule: Any = None
         self.stages: list[Any] = []
         self.steps = 0
@@ -63,6 +71,7 @@ class Trainer(Actor):
             probe = self.model_fn()
         if not isinstance(probe, torch.nn.Module):
             raise PlanError(f"model_fn must return a torch.nn.Module, got {type(probe).__name__}")
+        self.n_params = sum(p.numel() for p in probe.parameters())
         n_blocks = count_blocks(probe)
         plan.check_blocks(n_blocks)
         if plan.tp > 1:
@@ -87,6 +96,7 @@ class Trainer(Actor):
 
         from ..spmd import init_process_group
         from ._apply import world_mesh, wrap_ddp
+        from ._train_step import build_train_schedule, install_reduce_hook, make_schedulers
 
         # FSDP2 warns when a module returns a view (TP's replicated logits are one);
         # the trainer never modifies outputs in place, so the warning is noise here.
@@ -109,21 +119,39 @@ class Trainer(Actor):
         self._build_chunks(ranges)
         if plan.uses_ddp:
             self.chunks[0] = wrap_ddp(self.chunks[0], plan, mesh, self.device)
+            install_reduce_hook(self.chunks[0], self.options, mesh["dp_replicate"].get_group(), self.device)
         self.optimizers = [self.optimizer_fn(chunk.parameters()) for chunk in self.chunks]
+        self.schedulers = make_schedulers(self.optimizers, self.options)
+        self.peak_flops = self._peak_flops()
         if ranges is not None:
             from torch.distributed.pipelining import PipelineStage
 
             group = mesh["pp"].get_group()
             self.stages = [PipelineStage(chunk, sid, plan.n_stages, self.device, group=group) for sid, chunk in zip(self.stage_ids, self.chunks)]
-            self.schedule = build_schedule(self.stages, plan, self.loss_fn)
+            self.schedule = build_train_schedule(self.stages, plan, self.loss_fn, self.options.grad_accum_steps)
         return self._info()
+
+    def _peak_flops(self) -> float | None:
+        """The MFU denominator per device: given, or the mean over ranks of a timed matmul."""
+        import torch
+        import torch.distributed as dist
+
+        from ._train_figures import measure_matmul_flops
+
+        peak = self.options.peak_flops
+        if peak != "measure":
+            return None if peak is None else float(peak)
+        mean = torch.tensor([measure_matmul_flops(self.device, self.options.param_dtype)], dtype=torch.float64)
+        dist.all_reduce(mean)
+        return float(mean) / dist.get_world_size()
 
     def _build_chunks(self, ranges: list[range] | None) -> None:
         """This rank's stages, parallelised on meta, materialised, loaded with rank 0's seeded weights."""
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from ._apply import materialize, parallelize_chunk
+        from ._apply import materialize
+        from ._train_step import parallelize_for_training
 
         plan = self.plan
         torch.manual_seed(self.seed)
@@ -132,7 +160,7 @@ class Trainer(Actor):
                 chunk = self.model_fn()
             if ranges is not None:
                 cut_to_stage(chunk, ranges[sid], sid == 0, sid == plan.n_stages - 1)
-            parallelize_chunk(chunk, plan, self.mesh)
+            parallelize_for_training(chunk, plan, self.mesh, self.options)
             materialize(chunk, self.device)
             self.chunks.append(chunk)
         full: dict[str, Any] = {}
@@ -150,40 +178,55 @@ class Trainer(Actor):
         """One optimisation step on the global ``batch = (inputs, targets)``; returns its mean loss.
 
         Each data-parallel rank takes its contiguous ``1/(dp*fsdp)`` of the
-        batch; a pipeline splits that into microbatches. Every rank returns the
+        batch; gradient accumulation splits that into micro-steps and a
+        pipeline each micro-step into microbatches. Every rank returns the
         same loss (averaged over data-parallel ranks).
         """
-        import torch
-        import torch.distributed as dist
+        return self._train(batch).loss
+
+    @endpoint
+    def step_figures(self, batch: Batch) -> StepFigures:
+        """:meth:`step`, returning the step's figures (loss, grad norm, lr, tokens/s, MFU, peak memory per rank)."""
+        return self._train(batch)
+
+    def _train(self, batch: Batch) -> StepFigures:
+        import time
+
+        from ._train_figures import gather_figures, reset_peak_memory
+        from ._train_step import check_accum, clip_grad_norm, forward_backward, pipeline_loss_scale, pipeline_step, precision_context
 
         if self.device is None:
             raise RuntimeError("step() before setup(): use actormesh.parallel.spawn_trainer, which runs setup")
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise TypeError(f"step(batch) expects (inputs, targets), got {type(batch).__name__}")
+        started = time.perf_counter()
+        reset_peak_memory(self.device)
         inputs, targets = batch
-        self.plan.check_batch(int(inputs.shape[0]))
-        n = inputs.shape[0] // self.plan.dp_size
+        plan, opts, accum = self.plan, self.options, self.options.grad_accum_steps
+        plan.check_batch(int(inputs.shape[0]))
+        n = inputs.shape[0] // plan.dp_size
+        check_accum(n, plan, accum)
         part = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
         x, y = inputs[part].to(self.device), targets[part].to(self.device)
-        has_loss = True
+        autocast = precision_context(opts, plan, self.device)
+        loss: float | None
         if self.schedule is None:
-            loss = self.loss_fn(self.chunks[0](x), y)
-            loss.backward()
-            value = float(loss.detach())
+            loss = forward_backward(self.chunks[0], self.loss_fn, x, y, accum, autocast, plan.uses_ddp)
         else:
-            first = any(s.is_first for s in self.stages)
-            has_loss = any(s.is_last for s in self.stages)
-            losses: list[Any] = []
-            kwargs = {"target": y, "losses": losses} if has_loss else {}
-            self.schedule.step(*((x,) if first else ()), **kwargs)
-            value = float(torch.stack([mb.detach().float() for mb in losses]).mean()) if has_loss else 0.0
+            loss = pipeline_step(self.schedule, self.stages, x, y, accum, autocast, pipeline_loss_scale(plan, accum))
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        pp_group = self.mesh["pp"].get_group() if plan.pp > 1 else None
+        grad_norm = clip_grad_norm(params, opts.max_grad_norm, pp_group, self.device)
+        lr = float(self.optimizers[0].param_groups[0]["lr"])
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        for sched in self.schedulers:
+            sched.step()
         self.steps += 1
-        total = torch.tensor([value if has_loss else 0.0, 1.0 if has_loss else 0.0], dtype=torch.float64)
-        dist.all_reduce(total)
-        return float(total[0] / total[1])
+        return gather_figures(loss=loss, device=self.device, started=started, step=self.steps, grad_norm=grad_norm, lr=lr,
+                              local_tokens=int(x.numel()), dp_size=plan.dp_size,
+                              flops_per_token=opts.flops_per_token or 6.0 * self.n_params, peak_flops=self.peak_flops)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -288,6 +331,7 @@ def spawn_trainer(
     name: str = "trainer",
     timeout: float = 600.0,
     pg_timeout_s: float = 600.0,
+    options: TrainOptions | None = None,
 ) -> ActorMesh[Trainer]:
     """Spawn a :class:`Trainer` on every proc and set it up per ``plan``; returns the actor mesh.
 
@@ -299,7 +343,9 @@ def spawn_trainer(
     optionally gives the pipeline stage boundaries (``range``s over block
     indices, e.g. from a partitioner); default: equal split. Raises
     :class:`PlanError` (from the controller or the ranks) when the plan does
-    not fit the procs, the model or its options.
+    not fit the procs, the model or its options. ``options`` sets clipping,
+    accumulation, LR schedule, mixed precision and the MFU inputs
+    (:class:`TrainOptions`, checked before anything is spawned).
 
     Example::
 
@@ -322,9 +368,12 @@ def spawn_trainer(
     for label, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
         if not callable(fn):
             raise TypeError(f"{label} must be callable, got {fn!r}")
+    if options is not None and not isinstance(options, TrainOptions):
+        raise TypeError(f"options must be an actormesh.parallel.TrainOptions, got {type(options).__name__}")
     plan.check_world(len(procs))
     setup_torch_elastic_env(procs, timeout=min(timeout, 120.0))
-    trainer = cast("ActorMesh[Trainer]", procs.spawn(name, Trainer, model_fn, loss_fn, optimizer_fn, plan, stages, seed, pg_timeout_s))
+    trainer = cast("ActorMesh[Trainer]", procs.spawn(name, Trainer, model_fn, loss_fn, optimizer_fn, plan, stages, seed, pg_timeout_s,
+                                                           options))
     try:
         trainer.setup.call().get(timeout=timeout)
     except BaseException:

@@ -1,0 +1,122 @@
+"""Per-step figures a trainer returns: loss, gradient norm, learning rate, throughput, MFU, memory.
+
+Every rank measures its own step time and peak memory; one all-gather of a
+few numbers per rank (the same collective that averages the loss) gives
+every rank the whole mesh's figures, so the controller reads any one rank's.
+
+Memory is torch's own accounting on CUDA (``max_memory_allocated`` since the
+step began) and the process's peak resident set size on CPU (``ru_maxrss``,
+a high-water mark over the proc's life: CPU tensors have no allocator
+statistics).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["StepFigures", "gather_figures", "peak_memory_bytes", "reset_peak_memory", "measure_matmul_flops"]
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What one optimizer step did, the same on every rank.
+
+    ``step`` counts optimizer steps done (this one included); ``tokens`` is
+    the number of input elements in the global batch (``B * T`` for token
+    ids); ``mfu`` is None unless a peak figure was given or measured
+    (``TrainOptions.peak_flops``); ``peak_memory_bytes[r]`` is rank ``r``'s
+    peak (``memory_kind`` says which accounting).
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    step_s: float
+    tokens_per_s: float
+    mfu: float | None
+    peak_memory_bytes: tuple[int, ...]
+    memory_kind: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as a plain dict (for logging or JSON)."""
+        return asdict(self)
+
+
+def reset_peak_memory(device: Any) -> None:
+    """Start this step's CUDA peak from now (CPU keeps its lifetime high-water mark)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: Any) -> tuple[int, str]:
+    """This rank's peak memory and which accounting gave it."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss_peak"  # Linux reports KiB
+
+
+def gather_figures(*, loss: float | None, device: Any, started: float, step: int, grad_norm: float, lr: float,
+                   local_tokens: int, dp_size: int, flops_per_token: float | None, peak_flops: float | None) -> StepFigures:
+    """All-gather (loss, has loss, peak memory) over the world; the step's figures.
+
+    ``loss`` is None on pipeline ranks without the last stage; the mean is
+    taken over the ranks that have one. ``local_tokens`` is this rank's share
+    of the batch; there are ``dp_size`` shares.
+    """
+    import torch
+    import torch.distributed as dist
+
+    memory, kind = peak_memory_bytes(device)
+    mine = torch.tensor([loss or 0.0, 0.0 if loss is None else 1.0, float(memory)], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    table = torch.stack(every)
+    step_s = time.perf_counter() - started
+    tokens = local_tokens * dp_size
+    rate = tokens / step_s if step_s > 0 else 0.0
+    mfu = None
+    if flops_per_token is not None and peak_flops:
+        mfu = rate * flops_per_token / (peak_flops * len(every))
+    return StepFigures(step=step, loss=float(table[:, 0].sum() / table[:, 1].sum()), grad_norm=grad_norm, lr=lr,
+                       tokens=tokens, step_s=step_s, tokens_per_s=rate, mfu=mfu,
+                       peak_memory_bytes=tuple(int(m) for m in table[:, 2].tolist()), memory_kind=kind)
+
+
+def measure_matmul_flops(device: Any, dtype_name: str | None = None, budget_s: float = 0.3) -> float:
+    """FLOP/s of a square matmul on ``device`` in ``dtype_name``, timed for about ``budget_s``.
+
+    A stand-in for the data-sheet peak when none is given: it is what this
+    device reaches on dense matmul now (MFU against it reads high next to a
+    data-sheet figure).
+    """
+    import torch
+
+    dtype = getattr(torch, dtype_name) if dtype_name else torch.float32
+    if device.type == "cpu" and dtype == torch.float16:
+        dtype = torch.float32  # CPU fp16 matmul is an emulation, not a peak
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)  # warm-up: kernels chosen, memory allocated
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    reps, start = 0, time.perf_counter()
+    deadline = start + budget_s
+    while True:
+        torch.mm(a, b)
+        reps += 1
+        if reps % 4 == 0 or device.type != "cuda":
+            sync(device)
+            if time.perf_counter() >= deadline:
+                break
+    return 2.0 * n**3 * reps / (time.perf_counter() - start)
