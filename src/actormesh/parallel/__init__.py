@@ -34,17 +34,21 @@ from ._pipeline import check_stages, equal_stages
 from ._plan import MESH_DIMS, Plan, PlanError
 from ._replica import build_chunk, check_inference_plan, check_weights, hidden_size_of, load_weights, read_weights, replica_stages, stage_links
 from ._tp import COLWISE_NAMES, ROWWISE_NAMES, default_tp_plan
+from ._train_checkpoint import CheckpointMismatch
+from ._train_data import TrainDataError
 from ._train_figures import StepFigures
 from ._train_options import LRSchedule, TrainOptions, TrainOptionsError
 from ._trainer import Trainer, gather_state_dict, spawn_trainer
 
 __all__ = [
     "AutoPlan",
+    "CheckpointMismatch",
     "KVCache",
     "LRSchedule",
     "StepFigures",
     "TrainOptions",
     "TrainOptionsError",
+    "TrainDataError",
     "Sampler",
     "StageLinks",
     "StepPlan",

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["StepFigures", "gather_figures", "peak_memory_bytes", "reset_peak_memory", "measure_matmul_flops"]
+__all__ = ["StepFigures", "gather_figures", "peak_memory_bytes", "reset_peak_memory", "measure_matmul_flops", "peak_flops"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +120,15 @@ def measure_matmul_flops(device: Any, dtype_name: str | None = None, budget_s: f
             if time.perf_counter() >= deadline:
                 break
     return 2.0 * n**3 * reps / (time.perf_counter() - start)
+
+
+def peak_flops(given: float | str | None, device: Any, dtype_name: str | None) -> float | None:
+    """The MFU denominator per device: ``given``, or for ``"measure"`` the mean over ranks of a timed matmul (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    if given != "measure":
+        return None if given is None else float(given)
+    mean = torch.tensor([measure_matmul_flops(device, dtype_name)], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()

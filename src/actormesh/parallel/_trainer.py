@@ -22,29 +22,36 @@ from typing import Any, cast
 from ..mesh import ActorMesh, ProcMesh
 from ..runtime import Actor, endpoint
 from ._pipeline import cut_to_stage, stage_ids
+from ._train_checkpoint import load_checkpoint, model_shapes, save_checkpoint
 from ._plan import Plan, PlanError
+from ._train_data import DataFactory, RankData
 from ._train_figures import StepFigures
 from ._train_options import TrainOptions
 
 __all__ = ["Trainer", "spawn_trainer", "gather_state_dict"]
 
 Batch = Sequence[Any]  # (inputs, targets)
+NO_BATCH = "step() without a batch reads the data on the ranks: pass spawn_trainer(..., data=factory), or give step a batch"
 
 
 class Trainer(Actor):
     """Holds this rank's model chunk(s), optimizer(s) and pipeline schedule.
 
-    Endpoints (call them on the whole mesh): ``setup()``, ``step(batch) -> loss``,
-    ``step_figures(batch) -> StepFigures``, ``state_dict()``, ``load_state_dict(sd)``,
-    ``save(path)``, ``load(path)``, ``info()``.
+    Endpoints (call them on the whole mesh): ``setup()``, ``step(batch=None) -> loss``,
+    ``step_figures(batch=None) -> StepFigures``, ``state_dict()``, ``load_state_dict(sd)``,
+    ``save(path)``, ``load(path)``, ``info()``. Without a batch, a step reads the
+    next one from the ranks' data (``data=`` factory, see :mod:`._train_data`).
     """
 
     def __init__(self, model_fn: Callable[[], Any], loss_fn: Callable[[Any, Any], Any], optimizer_fn: Callable[[Any], Any],
                  plan: Plan, stages: Sequence[range] | None = None, seed: int = 0, pg_timeout_s: float = 600.0,
-                 options: TrainOptions | None = None) -> None:
+                 options: TrainOptions | None = None, data: DataFactory | None = None) -> None:
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.plan, self.stage_ranges, self.seed, self.pg_timeout_s = plan, stages, seed, pg_timeout_s
         self.options = options if options is not None else TrainOptions()
+        self.data_fn = data
+        self.data: RankData | None = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self.chunks: list[Any] = []
         self.optimizers: list[Any] = []
         self.schedulers: list[Any] = []
@@ -72,6 +79,7 @@ class Trainer(Actor):
         if not isinstance(probe, torch.nn.Module):
             raise PlanError(f"model_fn must return a torch.nn.Module, got {type(probe).__name__}")
         self.n_params = sum(p.numel() for p in probe.parameters())
+        self.shapes = model_shapes(probe)
         n_blocks = count_blocks(probe)
         plan.check_blocks(n_blocks)
         if plan.tp > 1:
@@ -96,6 +104,7 @@ class Trainer(Actor):
 
         from ..spmd import init_process_group
         from ._apply import world_mesh, wrap_ddp
+        from ._train_figures import peak_flops
         from ._train_step import build_train_schedule, install_reduce_hook, make_schedulers
 
         # FSDP2 warns when a module returns a view (TP's replicated logits are one);
@@ -116,13 +125,17 @@ class Trainer(Actor):
         self.dp_rank = coord["dp_replicate"] * plan.fsdp + coord["dp_shard"]
         self.tp_rank = coord["tp"]
         self.stage_ids = stage_ids(coord["pp"], plan) if ranges is not None else [0]
+        if self.data_fn is not None:
+            from ._train_data import rank_data
+
+            self.data = rank_data(self.data_fn, mesh, self.rank, self.dp_rank, plan.dp_size)
         self._build_chunks(ranges)
         if plan.uses_ddp:
             self.chunks[0] = wrap_ddp(self.chunks[0], plan, mesh, self.device)
             install_reduce_hook(self.chunks[0], self.options, mesh["dp_replicate"].get_group(), self.device)
         self.optimizers = [self.optimizer_fn(chunk.parameters()) for chunk in self.chunks]
         self.schedulers = make_schedulers(self.optimizers, self.options)
-        self.peak_flops = self._peak_flops()
+        self.peak_flops = peak_flops(self.options.peak_flops, self.device, self.options.param_dtype)
         if ranges is not None:
             from torch.distributed.pipelining import PipelineStage
 
@@ -130,20 +143,6 @@ class Trainer(Actor):
             self.stages = [PipelineStage(chunk, sid, plan.n_stages, self.device, group=group) for sid, chunk in zip(self.stage_ids, self.chunks)]
             self.schedule = build_train_schedule(self.stages, plan, self.loss_fn, self.options.grad_accum_steps)
         return self._info()
-
-    def _peak_flops(self) -> float | None:
-        """The MFU denominator per device: given, or the mean over ranks of a timed matmul."""
-        import torch
-        import torch.distributed as dist
-
-        from ._train_figures import measure_matmul_flops
-
-        peak = self.options.peak_flops
-        if peak != "measure":
-            return None if peak is None else float(peak)
-        mean = torch.tensor([measure_matmul_flops(self.device, self.options.param_dtype)], dtype=torch.float64)
-        dist.all_reduce(mean)
-        return float(mean) / dist.get_world_size()
 
     def _build_chunks(self, ranges: list[range] | None) -> None:
         """This rank's stages, parallelised on meta, materialised, loaded with rank 0's seeded weights."""
@@ -174,40 +173,53 @@ class Trainer(Actor):
     # --------------------------------------------------------------- training
 
     @endpoint
-    def step(self, batch: Batch) -> float:
+    def step(self, batch: Batch | None = None) -> float:
         """One optimisation step on the global ``batch = (inputs, targets)``; returns its mean loss.
 
         Each data-parallel rank takes its contiguous ``1/(dp*fsdp)`` of the
         batch; gradient accumulation splits that into micro-steps and a
         pipeline each micro-step into microbatches. Every rank returns the
-        same loss (averaged over data-parallel ranks).
+        same loss (averaged over data-parallel ranks). Without a batch each
+        data-parallel rank draws its share from the ``data`` factory's
+        iterator (:class:`TrainDataError` on every rank if one fails).
         """
         return self._train(batch).loss
 
     @endpoint
-    def step_figures(self, batch: Batch) -> StepFigures:
+    def step_figures(self, batch: Batch | None = None) -> StepFigures:
         """:meth:`step`, returning the step's figures (loss, grad norm, lr, tokens/s, MFU, peak memory per rank)."""
         return self._train(batch)
 
-    def _train(self, batch: Batch) -> StepFigures:
+    def _local_batch(self, batch: Batch | None) -> tuple[Any, Any]:
+        """This data-parallel rank's share: drawn from the rank-side data, or cut from the global batch."""
+        if batch is None:
+            if self.data is None:
+                raise TypeError(NO_BATCH)
+            x, y = self.data.next_batch()
+        else:
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(f"step(batch) expects (inputs, targets), got {type(batch).__name__}")
+            inputs, targets = batch
+            self.plan.check_batch(int(inputs.shape[0]))
+            n = inputs.shape[0] // self.plan.dp_size
+            x, y = inputs[self.dp_rank * n:(self.dp_rank + 1) * n], targets[self.dp_rank * n:(self.dp_rank + 1) * n]
+        from ._train_step import check_accum
+
+        check_accum(int(x.shape[0]), self.plan, self.options.grad_accum_steps)
+        return x.to(self.device), y.to(self.device)
+
+    def _train(self, batch: Batch | None) -> StepFigures:
         import time
 
         from ._train_figures import gather_figures, reset_peak_memory
-        from ._train_step import check_accum, clip_grad_norm, forward_backward, pipeline_loss_scale, pipeline_step, precision_context
+        from ._train_step import clip_grad_norm, forward_backward, pipeline_loss_scale, pipeline_step, precision_context
 
         if self.device is None:
             raise RuntimeError("step() before setup(): use actormesh.parallel.spawn_trainer, which runs setup")
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise TypeError(f"step(batch) expects (inputs, targets), got {type(batch).__name__}")
         started = time.perf_counter()
         reset_peak_memory(self.device)
-        inputs, targets = batch
         plan, opts, accum = self.plan, self.options, self.options.grad_accum_steps
-        plan.check_batch(int(inputs.shape[0]))
-        n = inputs.shape[0] // plan.dp_size
-        check_accum(n, plan, accum)
-        part = slice(self.dp_rank * n, (self.dp_rank + 1) * n)
-        x, y = inputs[part].to(self.device), targets[part].to(self.device)
+        x, y = self._local_batch(batch)
         autocast = precision_context(opts, plan, self.device)
         loss: float | None
         if self.schedule is None:
@@ -230,39 +242,21 @@ class Trainer(Actor):
 
     # ------------------------------------------------------------ checkpoints
 
-    def _state(self) -> dict[str, Any]:
-        """Sharded model + optimizer state keyed by the full model's names (DCP's format)."""
-        import torch
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-        flat = StateDictOptions(flatten_optimizer_state_dict=True)
-        model: dict[str, Any] = {}
-        optim: dict[str, Any] = {}
-        for chunk, opt in zip(self.chunks, self.optimizers):
-            model.update(get_model_state_dict(chunk))
-            optim.update(get_optimizer_state_dict(chunk, opt, options=flat))
-        return {"model": model, "optim": optim, "steps": torch.tensor(self.steps)}
-
     @endpoint
     def save(self, path: str) -> None:
-        """Write model, optimizer and step count with ``torch.distributed.checkpoint`` (every rank its shards)."""
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._state(), checkpoint_id=path)
+        """Write model, optimizer, LR schedule, step count and data position with DCP (every rank its shards)."""
+        save_checkpoint(path, self.chunks, self.optimizers, self.schedulers, self.steps, self.data.position if self.data else self.steps)
 
     @endpoint
     def load(self, path: str) -> int:
-        """Load a checkpoint written by :meth:`save` under *any* plan (DCP reshards); returns the step count."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        """Load a checkpoint written by :meth:`save` under *any* plan (DCP reshards); returns the step count.
 
-        state = self._state()
-        dcp.load(state, checkpoint_id=path)
-        flat = StateDictOptions(flatten_optimizer_state_dict=True)
-        for chunk, opt in zip(self.chunks, self.optimizers):
-            set_model_state_dict(chunk, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(chunk, opt, state["optim"], options=flat)
-        self.steps = int(state["steps"])
+        Raises CheckpointMismatch, naming the first differing key, for a checkpoint of another model.
+        The rank-side data resumes at the saved position.
+        """
+        self.steps, position = load_checkpoint(path, self.chunks, self.optimizers, self.schedulers, self.shapes)
+        if self.data is not None:
+            self.data.seek(position)
         return self.steps
 
     @endpoint
@@ -332,6 +326,7 @@ def spawn_trainer(
     timeout: float = 600.0,
     pg_timeout_s: float = 600.0,
     options: TrainOptions | None = None,
+    data: DataFactory | None = None,
 ) -> ActorMesh[Trainer]:
     """Spawn a :class:`Trainer` on every proc and set it up per ``plan``; returns the actor mesh.
 
@@ -345,7 +340,10 @@ def spawn_trainer(
     :class:`PlanError` (from the controller or the ranks) when the plan does
     not fit the procs, the model or its options. ``options`` sets clipping,
     accumulation, LR schedule, mixed precision and the MFU inputs
-    (:class:`TrainOptions`, checked before anything is spawned).
+    (:class:`TrainOptions`, checked before anything is spawned). ``data``
+    is a picklable factory ``(dp_rank=, dp_size=, start_step=) -> iterable``
+    of this data-parallel rank's ``(inputs, targets)`` shares; with it,
+    ``trainer.step.call()`` carries no data (see :mod:`._train_data`).
 
     Example::
 
@@ -368,12 +366,14 @@ def spawn_trainer(
     for label, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
         if not callable(fn):
             raise TypeError(f"{label} must be callable, got {fn!r}")
+    if data is not None and not callable(data):
+        raise TypeError(f"data must be a factory (dp_rank=, dp_size=, start_step=) -> iterable of (inputs, targets), got {data!r}")
     if options is not None and not isinstance(options, TrainOptions):
         raise TypeError(f"options must be an actormesh.parallel.TrainOptions, got {type(options).__name__}")
     plan.check_world(len(procs))
     setup_torch_elastic_env(procs, timeout=min(timeout, 120.0))
     trainer = cast("ActorMesh[Trainer]", procs.spawn(name, Trainer, model_fn, loss_fn, optimizer_fn, plan, stages, seed, pg_timeout_s,
-                                                           options))
+                                                           options, data))
     try:
         trainer.setup.call().get(timeout=timeout)
     except BaseException:
