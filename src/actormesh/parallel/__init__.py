@@ -36,6 +36,7 @@ from ._replica import build_chunk, check_inference_plan, check_weights, hidden_s
 from ._tp import COLWISE_NAMES, ROWWISE_NAMES, default_tp_plan
 from ._train_checkpoint import CheckpointMismatch
 from ._train_data import TrainDataError
+from ._train_elastic import ElasticTrainer, Recovery, TrainingFailed, spawn_elastic_trainer
 from ._train_figures import StepFigures
 from ._train_options import LRSchedule, TrainOptions, TrainOptionsError
 from ._trainer import Trainer, gather_state_dict, spawn_trainer
@@ -43,12 +44,16 @@ from ._trainer import Trainer, gather_state_dict, spawn_trainer
 __all__ = [
     "AutoPlan",
     "CheckpointMismatch",
+    "ElasticTrainer",
+    "Recovery",
     "KVCache",
     "LRSchedule",
     "StepFigures",
     "TrainOptions",
     "TrainOptionsError",
     "TrainDataError",
+    "TrainingFailed",
+    "spawn_elastic_trainer",
     "Sampler",
     "StageLinks",
     "StepPlan",

@@ -27,7 +27,9 @@ class StepFigures:
     the number of input elements in the global batch (``B * T`` for token
     ids); ``mfu`` is None unless a peak figure was given or measured
     (``TrainOptions.peak_flops``); ``peak_memory_bytes[r]`` is rank ``r``'s
-    peak (``memory_kind`` says which accounting).
+    peak (``memory_kind`` says which accounting). Under an elastic trainer,
+    ``recovery`` says what this step had to recover from (None: nothing) and
+    ``restarts`` counts recoveries so far.
     """
 
     step: int
@@ -40,6 +42,8 @@ class StepFigures:
     mfu: float | None
     peak_memory_bytes: tuple[int, ...]
     memory_kind: str
+    recovery: str | None = None
+    restarts: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as a plain dict (for logging or JSON)."""

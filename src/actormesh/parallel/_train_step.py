@@ -29,7 +29,7 @@ from ._plan import Plan, PlanError
 from ._train_options import LRSchedule, TrainOptions
 
 __all__ = ["parallelize_for_training", "install_reduce_hook", "make_schedulers", "build_train_schedule", "pipeline_loss_scale",
-           "precision_context", "forward_backward", "pipeline_step", "clip_grad_norm", "check_accum"]
+           "precision_context", "forward_backward", "pipeline_step", "clip_grad_norm", "check_accum", "share_of"]
 
 
 def parallelize_for_training(chunk: Any, plan: Plan, mesh: Any, options: TrainOptions) -> None:
@@ -128,6 +128,16 @@ def build_train_schedule(stages: list[Any], plan: Plan, loss_fn: Callable[..., A
     loss = ScaledLoss(loss_fn, pipeline_loss_scale(plan, accum))
     held = stages[0] if plan.pp_schedule in SINGLE_STAGE_SCHEDULES else stages
     return cls(held, n_microbatches=plan.n_microbatches, loss_fn=loss, scale_grads=False)
+
+
+def share_of(batch: Any, plan: Plan, dp_rank: int) -> tuple[Any, Any]:
+    """Data-parallel rank ``dp_rank``'s contiguous ``1/dp_size`` of a global ``(inputs, targets)`` batch."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"step(batch) expects (inputs, targets), got {type(batch).__name__}")
+    inputs, targets = batch
+    plan.check_batch(int(inputs.shape[0]))
+    n = inputs.shape[0] // plan.dp_size
+    return inputs[dp_rank * n:(dp_rank + 1) * n], targets[dp_rank * n:(dp_rank + 1) * n]
 
 
 def check_accum(local_batch: int, plan: Plan, accum: int) -> None:

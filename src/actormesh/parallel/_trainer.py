@@ -183,28 +183,33 @@ class Trainer(Actor):
         data-parallel rank draws its share from the ``data`` factory's
         iterator (:class:`TrainDataError` on every rank if one fails).
         """
-        return self._train(batch).loss
+        return self._guarded(batch).loss
 
     @endpoint
     def step_figures(self, batch: Batch | None = None) -> StepFigures:
         """:meth:`step`, returning the step's figures (loss, grad norm, lr, tokens/s, MFU, peak memory per rank)."""
-        return self._train(batch)
+        return self._guarded(batch)
+
+    def _guarded(self, batch: Batch | None) -> StepFigures:
+        try:
+            return self._train(batch)
+        except Exception as exc:
+            try:  # the controller names the rank (the attribute travels with the pickled exception)
+                exc.trainer_rank = self.rank  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            raise
 
     def _local_batch(self, batch: Batch | None) -> tuple[Any, Any]:
         """This data-parallel rank's share: drawn from the rank-side data, or cut from the global batch."""
+        from ._train_step import check_accum, share_of
+
         if batch is None:
             if self.data is None:
                 raise TypeError(NO_BATCH)
             x, y = self.data.next_batch()
         else:
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise TypeError(f"step(batch) expects (inputs, targets), got {type(batch).__name__}")
-            inputs, targets = batch
-            self.plan.check_batch(int(inputs.shape[0]))
-            n = inputs.shape[0] // self.plan.dp_size
-            x, y = inputs[self.dp_rank * n:(self.dp_rank + 1) * n], targets[self.dp_rank * n:(self.dp_rank + 1) * n]
-        from ._train_step import check_accum
-
+            x, y = share_of(batch, self.plan, self.dp_rank)
         check_accum(int(x.shape[0]), self.plan, self.options.grad_accum_steps)
         return x.to(self.device), y.to(self.device)
 
@@ -295,6 +300,7 @@ class Trainer(Actor):
 
         return {
             "rank": self.rank,
+            "pid": os.getpid(),
             "plan": self.plan.describe(),
             "coords": {name: self.mesh[name].get_local_rank() for name in ("pp", "dp_replicate", "dp_shard", "tp")},
             "stages": list(self.stage_ids) if self.schedule is not None else [],
