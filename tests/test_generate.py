@@ -70,7 +70,8 @@ def engine(llama: tuple[Any, Any]) -> Any:
 # ------------------------------------------------------------------ greedy = HF
 
 
-@pytest.mark.parametrize("name, extra", [("Llama", {}), ("Qwen2", {}), ("Mistral", {"sliding_window": 4})])
+@pytest.mark.parametrize("name, extra", [("Llama", {}), ("Qwen2", {}), ("Qwen3", {"head_dim": 16}),
+                                         ("Mistral", {"sliding_window": 4})])
 def test_greedy_equals_hf_generate_token_for_token(name: str, extra: dict[str, Any]) -> None:
     hf, model = hf_pair(name, **extra)
     refs = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
@@ -78,6 +79,66 @@ def test_greedy_equals_hf_generate_token_for_token(name: str, extra: dict[str, A
         assert isinstance(engine, TokenGenerator)
         # all four prompts in one batch: different lengths, one padded prefill, then batched decode
         assert engine.complete(PROMPTS, GREEDY) == refs
+
+
+@pytest.mark.parametrize("name, extra", [("Llama", {}), ("Qwen2", {}), ("Qwen3", {"head_dim": 16}),
+                                         ("Mistral", {"sliding_window": 4})])
+def test_fused_layers_give_the_hf_layers_values_bit_for_bit(name: str, extra: dict[str, Any]) -> None:
+    """The direct path (fused projections, one rotary pass) computes exactly what each HF layer computes."""
+    from actormesh.parallel._fused import FusedDecoder, can_fuse
+
+    model = hf_pair(name, **extra)[1].eval()
+    fused = FusedDecoder()
+    torch.manual_seed(1)
+    cases = [(torch.arange(3), torch.tensor([[0, 1, 2, 3, 4]] * 3), False),  # a prefill, masked
+             (torch.arange(4), torch.tensor([[7], [3], [9], [5]]), False),  # ragged decode
+             (torch.tensor([1, 3]), torch.tensor([[6], [6]]), True)]  # uniform decode, no mask
+    with torch.no_grad():
+        for block in model.blocks:
+            assert can_fuse(block)
+            for slots, positions, uniform in cases:
+                x = torch.randn(*positions.shape, LLAMA["hidden_size"])
+                ours, theirs = KVCache(4, 16, model.sliding_window), KVCache(4, 16, model.sliding_window)
+                pe = model.rotary_emb(x, positions)
+                kind = model.layer_types[block.self_attn.layer_idx]
+                out = []
+                for cache in (ours, theirs):
+                    cache.bind(slots, positions, uniform)
+                mask = model._cache_mask(ours, kind)
+                got = fused.block(block, x, FusedDecoder.rotary(pe), mask, ours)
+                want = block(x, attention_mask=mask, position_ids=positions, past_key_values=theirs, position_embeddings=pe)
+                assert torch.equal(got, want)
+                out.append(got)
+                idx = block.self_attn.layer_idx
+                assert torch.equal(ours.keys[idx], theirs.keys[idx]) and torch.equal(ours.values[idx], theirs.values[idx])
+            # weights written in place (a swap) reach the fused projections
+            block.self_attn.k_proj.weight.data.mul_(1.5)
+            block.mlp.up_proj.weight.data.add_(0.01)
+            x = torch.randn(2, 1, LLAMA["hidden_size"])
+            positions = torch.tensor([[2], [2]])
+            caches = [KVCache(2, 8), KVCache(2, 8)]
+            for cache in caches:
+                cache.bind(torch.arange(2), positions, True)
+            pe = model.rotary_emb(x, positions)
+            assert torch.equal(fused.block(block, x, FusedDecoder.rotary(pe), None, caches[0]),
+                               block(x, attention_mask=None, position_ids=positions, past_key_values=caches[1],
+                                     position_embeddings=pe))
+
+
+def test_layers_with_hooks_or_other_attention_are_not_fused() -> None:
+    from actormesh.parallel._fused import can_fuse
+
+    model = hf_pair()[1].eval()
+    block = model.blocks[0]
+    handle = block.mlp.register_forward_hook(lambda *a: None)
+    assert not can_fuse(block)  # the hook must run: HF's own forward does
+    handle.remove()
+    assert can_fuse(block)
+    eager = hf_causal_lm(transformers.LlamaConfig(**LLAMA), "LlamaForCausalLM", attn_implementation="eager").eval()
+    assert not can_fuse(eager.blocks[0])
+    model.train()
+    assert not can_fuse(block)  # dropout and the like are the layer's business
+    assert not can_fuse(gpt().blocks[0])
 
 
 def test_kv_cache_matches_full_recompute_for_the_builtin_gpt() -> None:
@@ -265,3 +326,12 @@ def test_replica_stages_equal_given_or_chosen_for_memory() -> None:
         replica_stages(model, Plan(pp=2), "fastest")
     with pytest.raises(PlanError, match="contiguous"):
         replica_stages(model, Plan(pp=2), [range(0, 1), range(2, 4)])
+
+
+def test_compiled_engine_equals_hf_generate() -> None:
+    """``compile=`` traces the fused decoder path (aot_eager: dynamo's graphs without inductor's slow codegen)."""
+    hf, model = hf_pair()
+    prompts = PROMPTS[:2]  # ragged: a padded prefill, then decode
+    refs = [hf_greedy(hf, p, 4) for p in prompts]
+    with LLMEngine(model, max_slots=2, compile="aot_eager") as engine:
+        assert engine.complete(prompts, SamplingParams(max_tokens=4)) == refs

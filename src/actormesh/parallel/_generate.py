@@ -168,7 +168,7 @@ class StepRunner:
                     logits.append(out)
         tokens: list[int] | None = None
         if self.samples:
-            picked = self.sampler.sample(torch.cat(logits), plan, order)
+            picked = self.sampler.sample(torch.cat(logits) if len(logits) > 1 else logits[0], plan, order)
             tokens = [0] * len(order)
             for row, tok in zip(order, picked):
                 tokens[row] = tok
@@ -181,13 +181,20 @@ class StepRunner:
 
         lens = [len(plan.tokens[r]) for r in rows]
         width = max(lens)
+        starts = [plan.starts[r] for r in rows]
+        slots = [plan.slots[r] for r in rows]
         ids = torch.tensor([plan.tokens[r] + [0] * (width - n) for r, n in zip(rows, lens)], dtype=torch.long)
-        starts = torch.tensor([plan.starts[r] for r in rows], dtype=torch.long)
-        positions = (starts[:, None] + torch.arange(width)[None, :]).to(self.device)
-        self.cache.bind(torch.tensor([plan.slots[r] for r in rows], device=self.device), positions,
+        positions = torch.tensor(starts, dtype=torch.long)[:, None]
+        if width > 1:
+            positions = positions + torch.arange(width)[None, :]
+        if self.device.type != "cpu":
+            positions = positions.to(self.device)
+        self.cache.bind(torch.tensor(slots, device=self.device), positions,
                         # compiled: always a mask, so one graph serves uniform and ragged batches
-                        uniform=not self.compiled and len(set(lens)) == 1 and len({plan.starts[r] for r in rows}) == 1)
-        last = torch.tensor(lens, device=self.device) - 1
+                        uniform=not self.compiled and len(set(lens)) == 1 and len(set(starts)) == 1,
+                        slot_ids=slots, kv_len=max(starts) + width)  # padded positions are written too
+        # one new token per row: it is already the last one
+        last = torch.tensor(lens, device=self.device) - 1 if width > 1 or self.compiled else None
         links = self.links
         if links is None or links.is_first:
             x = ids.to(self.device)

@@ -54,31 +54,35 @@ class KVCache:
         self._kv_len = 0
         self._uniform = False
         self._masks: dict[str, Any] = {}
+        self._positions: Any = None
 
-    def bind(self, slots: Any, positions: Any, uniform: bool = False) -> None:
+    def bind(self, slots: Any, positions: Any, uniform: bool = False, *, slot_ids: list[int] | None = None,
+             kv_len: int | None = None) -> None:
         """Set the next forward's rows: ``slots[B]`` and the ``positions[B, T]`` of their new tokens.
 
         ``uniform``: every row has the same positions (no padding), so full
         attention needs no mask: each query sees every key up to its own
         position (:meth:`mask` may then answer None, i.e. causal).
+        ``slot_ids`` (``slots`` as a list) and ``kv_len`` (the largest
+        position + 1), when the caller has them, save reading them back from
+        the tensors.
         """
-        import torch
-
-        if int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} is beyond the cache's max_len={self.max_len}")
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        if kv_len > self.max_len:
+            raise ValueError(f"position {kv_len - 1} is beyond the cache's max_len={self.max_len}")
         self._slots = slots
+        self._positions = positions
         self._flat = (slots[:, None] * self.max_len + positions).reshape(-1)
-        ids = slots.tolist()
+        ids = slot_ids if slot_ids is not None else slots.tolist()
         consecutive = self.views and ids == list(range(ids[0], ids[0] + len(ids)))
         self._span = (ids[0], ids[0] + len(ids)) if consecutive else None
-        self._kv_len = int(positions.max()) + 1
+        self._kv_len = kv_len
         self._uniform = uniform
-        keys = torch.arange(self._kv_len, device=positions.device)
-        visible = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
-        self._masks = {"full_attention": visible[:, None]}
-        if self.sliding_window:
-            near = positions[:, :, None] - keys[None, None, :] < self.sliding_window
-            self._masks["sliding_attention"] = (visible & near)[:, None]
+        self._masks = {}
+        if not uniform:  # else built on first use (a uniform step under SDPA needs none)
+            for kind in ("full_attention", "sliding_attention") if self.sliding_window else ("full_attention",):
+                self._build_mask(kind)
 
     def mask(self, layer_type: str = "full_attention", allow_causal: bool = False) -> Any:
         """Boolean ``[B, 1, T, kv_len]`` mask (True = attend) for the bound rows.
@@ -90,10 +94,22 @@ class KVCache:
         window = self.sliding_window if layer_type == "sliding_attention" else None
         if allow_causal and self._uniform and (window is None or self._kv_len <= window):
             return None
-        try:
-            return self._masks[layer_type]
-        except KeyError:
-            raise ValueError(f"no {layer_type!r} mask: the cache was made with sliding_window={self.sliding_window}") from None
+        if layer_type not in ("full_attention", "sliding_attention") or (layer_type == "sliding_attention" and not window):
+            raise ValueError(f"no {layer_type!r} mask: the cache was made with sliding_window={self.sliding_window}")
+        if layer_type not in self._masks:
+            self._build_mask(layer_type)
+        return self._masks[layer_type]
+
+    def _build_mask(self, layer_type: str) -> None:
+        import torch
+
+        window = self.sliding_window if layer_type == "sliding_attention" else None
+        positions = self._positions
+        keys = torch.arange(self._kv_len, device=positions.device)
+        visible = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
+        if window:
+            visible = visible & (positions[:, :, None] - keys[None, None, :] < window)
+        self._masks[layer_type] = visible[:, None]
 
     def update(self, key: Any, value: Any, layer_idx: int, *_: Any, **__: Any) -> tuple[Any, Any]:
         """Store ``key``/``value`` ``[B, heads, T, head_dim]`` of layer ``layer_idx``; return ``[B, heads, kv_len, head_dim]``."""
@@ -107,7 +123,9 @@ class KVCache:
             self.values[layer_idx] = torch.zeros(shape, dtype=value.dtype, device=value.device)
         out = []
         for new, cache in ((key, self.keys[layer_idx]), (value, self.values[layer_idx])):
-            rows = new.transpose(1, 2).reshape(-1, *cache.shape[2:]).to(cache.dtype)
+            rows = new.transpose(1, 2).reshape(-1, *cache.shape[2:])
+            if rows.dtype != cache.dtype:
+                rows = rows.to(cache.dtype)
             cache.view(-1, *cache.shape[2:]).index_copy_(0, self._flat, rows)
             if self._span is not None:
                 seen = cache[self._span[0]:self._span[1], : self._kv_len]

@@ -54,6 +54,8 @@ import torch
 import transformers
 from torch import nn
 
+from ._fused import FusedDecoder, can_fuse, can_fuse_norm
+
 __all__ = ["HFCausalLM", "hf_causal_lm", "from_hf_state_dict", "to_hf_state_dict"]
 
 _PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -98,6 +100,9 @@ class HFCausalLM(nn.Module):
         self.norm: nn.Module | None = base.norm
         self.lm_head: nn.Module | None = hf_model.lm_head
         self._set_rotary(base.rotary_emb)
+        #: generation runs the decoder layers it can through ``FusedDecoder`` (same values, fewer ops)
+        self.fused_decode = True
+        self.__dict__["_fused"] = FusedDecoder()  # not a module: holds no parameters of its own
 
     @property
     def rotary_emb(self) -> nn.Module:
@@ -145,7 +150,11 @@ class HFCausalLM(nn.Module):
         """
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
-        if any(b is not None for b in self.blocks):
+        fusable, fuse_norm = self._fusable()
+        if any(fusable):
+            x = self._fused.forward(self.blocks, fusable, self.rotary_emb, self.layer_types, x, positions, cache,
+                                    self._cache_mask)
+        elif any(b is not None for b in self.blocks):
             position_embeddings = self.rotary_emb(x, positions)
             masks = {kind: self._cache_mask(cache, kind) for kind in set(self.layer_types)}
             for i, block in enumerate(self.blocks):
@@ -155,10 +164,25 @@ class HFCausalLM(nn.Module):
         if last is not None and self.norm is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]
         if self.norm is not None:
-            x = self.norm(x)
+            x = self._fused.norm(self.norm, x) if fuse_norm else self.norm(x)
         if self.lm_head is not None:
             x = self.lm_head(x)
         return x
+
+    def _fusable(self) -> tuple[list[bool], bool]:
+        """Which blocks ``forward_cached`` runs through :class:`FusedDecoder`, and whether the final norm too.
+
+        Decided once per train/eval mode. Also under ``torch.compile``: the
+        fewer operations make a smaller graph that runs faster (1.71x Hugging
+        Face's ``generate`` against 1.59x through HF's layers, bench/generate_bench.py).
+        """
+        key = (self.fused_decode, self.training)
+        if self.__dict__.get("_fusable_key") != key:
+            blocks = [self.fused_decode and b is not None and can_fuse(b) for b in self.blocks]
+            norm = self.fused_decode and self.norm is not None and can_fuse_norm(self.norm)
+            self.__dict__["_fusable_for"] = (blocks, norm)
+            self.__dict__["_fusable_key"] = key
+        return self.__dict__["_fusable_for"]
 
     @property
     def sliding_window(self) -> int | None:

@@ -242,7 +242,6 @@ class LLMEngine:
                     continue
                 self._step(plan)
                 self._flush()
-                time.sleep(0)  # let threads waiting for the GIL (arriving requests) in before the next step
         except BaseException as exc:  # the backend broke: nothing more can run
             error = exc
         finally:

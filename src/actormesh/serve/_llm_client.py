@@ -39,7 +39,7 @@ async def stream_tokens(queue: asyncio.Queue[tuple[str, Any]], timeout_s: float,
     try:
         while True:
             try:
-                kind, value = await asyncio.wait_for(queue.get(), timeout_s)
+                kind, value = queue.get_nowait() if not queue.empty() else await _get_within(queue, timeout_s)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"no token from the {source} within {timeout_s}s (request cancelled)") from None
             if kind == "token":
@@ -52,6 +52,18 @@ async def stream_tokens(queue: asyncio.Queue[tuple[str, Any]], timeout_s: float,
     finally:
         if not finished:
             cancel()
+
+
+async def _get_within(queue: asyncio.Queue[Any], timeout_s: float) -> Any:
+    """``queue.get()`` or asyncio.TimeoutError after ``timeout_s`` (once per token: ``asyncio.timeout``
+    where there is one, as ``wait_for`` makes a task per call)."""
+    if _timeout is None:
+        return await asyncio.wait_for(queue.get(), timeout_s)
+    async with _timeout(timeout_s):
+        return await queue.get()
+
+
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 def receive_batches(receiver: Any, handle: Callable[[Any], None]) -> None:
