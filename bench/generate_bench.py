@@ -16,7 +16,10 @@ same run (best of ``--rounds`` rounds, the contenders taking turns):
    recomputing the whole batch's sequences every step (``model.forward``),
    and HF generate with ``use_cache=True`` vs ``use_cache=False``.
 
-The greedy tokens of every contender are checked against HF's. torch runs
+Each figure is also given per CPU second of the process that generates
+(this one, or the replica's proc): wall time on a shared 2-core machine moves
+2-3x with other load, CPU time much less. The greedy tokens of every
+contender are checked against HF's. torch runs
 one thread in this process and in the replica's proc (``OMP_NUM_THREADS=1``,
 inherited): on a shared 2-core machine a multi-threaded torch loses 10-20x
 whenever another process takes a core, which swamps every figure. Writes
@@ -86,10 +89,21 @@ async def _replica_round(client: Any, batch: list[list[int]], params: Any) -> li
     return list(await asyncio.gather(*[one(p) for p in batch]))
 
 
-def timed(fn: Any) -> tuple[float, Any]:
-    t0 = time.perf_counter()
+def timed(fn: Any, pid: int | None = None) -> tuple[float, float, Any]:
+    """Wall seconds, CPU seconds (this process, or process ``pid`` where the work runs) and the result."""
+    import psutil
+
+    proc = psutil.Process(pid) if pid is not None else None
+
+    def cpu() -> float:
+        if proc is None:
+            return time.process_time()
+        times = proc.cpu_times()
+        return times.user + times.system
+
+    t0, c0 = time.perf_counter(), cpu()
     out = fn()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, cpu() - c0, out
 
 
 def main() -> None:
@@ -121,8 +135,11 @@ def main() -> None:
     best: dict[str, float] = {}
     checks: dict[str, bool] = {}
 
-    def record(name: str, seconds: float, out: list[list[int]], ref: list[list[int]]) -> None:
+    best_cpu: dict[str, float] = {}
+
+    def record(name: str, seconds: float, cpu_s: float, out: list[list[int]], ref: list[list[int]]) -> None:
         best[name] = min(best.get(name, float("inf")), seconds)
+        best_cpu[name] = min(best_cpu.get(name, float("inf")), cpu_s)
         checks[name] = checks.get(name, True) and out == ref
 
     procs = this_host().spawn_procs(per_host={"gpus": 2})
@@ -134,7 +151,8 @@ def main() -> None:
             servers.append(spawn_llm_server(procs.slice(gpus=len(servers)), model_fn, plan, max_slots=N_REQUESTS,
                                             name=name, timeout=900))
             clients[name] = LLMServerClient(servers[-1])
-        replica_threads = clients["replica"].driver.info.call_one().get(timeout=60)["torch_threads"]
+        infos = {name: client.driver.info.call_one().get(timeout=60) for name, client in clients.items()}
+        replica_threads = infos["replica"]["torch_threads"]
         with LLMEngine(model, max_slots=N_REQUESTS) as engine, \
                 LLMEngine(hf_causal_lm(config, "LlamaForCausalLM"), max_slots=N_REQUESTS, compile=True) as compiled:
             compiled.backend.swap(model.state_dict())  # type: ignore[attr-defined]
@@ -145,8 +163,8 @@ def main() -> None:
             ref = hf_generate(hf, batch)
             for _ in range(rounds):
                 record("hf_generate", *timed(lambda: hf_generate(hf, batch)), ref)
-                for name, client in clients.items():
-                    record(name, *timed(lambda: asyncio.run(_replica_round(client, batch, params))), ref)
+                for name, client in clients.items():  # CPU: the replica's proc, where the generation runs
+                    record(name, *timed(lambda: asyncio.run(_replica_round(client, batch, params)), infos[name]["pid"]), ref)
                 record("engine", *timed(lambda: engine.complete(batch, params)), ref)
                 record("engine_compiled", *timed(lambda: compiled.complete(batch, params)), ref)
                 record("no_cache", *timed(lambda: no_cache_generate(model, batch)), ref)
@@ -159,10 +177,12 @@ def main() -> None:
         procs.stop().get(timeout=60)
 
     rate = {k: tokens / v for k, v in best.items()}
+    cpu_rate = {k: tokens / v for k, v in best_cpu.items()}
     result = {
         "workload": f"{N_REQUESTS} requests x {NEW_TOKENS} new tokens, prompt {PROMPT_LEN}, Llama hidden 64 x 2 layers, vocab 256, CPU",
         "rounds": rounds, "torch_threads": torch.get_num_threads(), "replica_torch_threads": replica_threads, "loadavg": os.getloadavg(),
-        "seconds": best, "tokens_per_s": rate, "greedy_equals_hf": checks,
+        "seconds": best, "tokens_per_s": rate, "cpu_seconds": best_cpu, "tokens_per_cpu_s": cpu_rate,
+        "greedy_equals_hf": checks,
         "ratios": {
             "replica_vs_hf_generate": rate["replica"] / rate["hf_generate"],
             "replica_compiled_vs_hf_generate": rate["replica_compiled"] / rate["hf_generate"],
@@ -172,15 +192,19 @@ def main() -> None:
             "hf_cache_vs_no_cache": rate["hf_generate"] / rate["hf_no_cache"],
         },
     }
+    # Per CPU second: what the generating process spends, which other load on a shared machine does not
+    # change (wall time does); the replica's figure leaves out the controller, which has a core of its own.
+    result["cpu_ratios"] = {f"{name}_vs_hf_generate": cpu_rate[name] / cpu_rate["hf_generate"]
+                            for name in ("replica", "replica_compiled", "engine", "engine_compiled")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['workload']}; best of {rounds}; torch threads {result['torch_threads']}; load {result['loadavg']}\n")
     print("| contender | tokens/s | greedy = HF |\n|---|---|---|")
     for name in best:
         print(f"| {name} | {rate[name]:,.0f} | {checks[name]} |")
-    print("\n| ratio | value |\n|---|---|")
+    print("\n| ratio | wall | CPU |\n|---|---|---|")
     for name, value in result["ratios"].items():
-        print(f"| {name} | {value:.2f}x |")
+        print(f"| {name} | {value:.2f}x | {result['cpu_ratios'].get(name, float('nan')):.2f}x |")
 
 
 if __name__ == "__main__":

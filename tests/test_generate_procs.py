@@ -185,3 +185,29 @@ def test_a_dead_replica_fails_its_streams_at_once(spawn_procs: Any) -> None:
         run(main())
     client.close()
     assert not isinstance(info.value, (TimeoutError, asyncio.TimeoutError)), info.value
+
+
+@pytest.mark.timeout(120)
+def test_requests_started_together_join_one_step_and_fail_alone(procs: Any) -> None:
+    from actormesh.runtime import Channel
+
+    old = hf_model(0)
+    with replica(procs.slice(gpus=0), Plan(), max_slots=4) as client:
+        async def together() -> list[list[int]]:
+            return list(await asyncio.gather(*[collect(client, p, SamplingParams(max_tokens=6)) for p in PROMPTS]))
+
+        before = client.stats()["steps"]
+        assert run(together()) == [hf_greedy(old, p, 6) for p in PROMPTS]
+        assert client.stats()["steps"] - before == 6  # one message: all four joined the first step
+        # a bad prompt among requests sent together fails that request only
+        port, receiver = Channel.open()
+        params = SamplingParams(max_tokens=3)
+        call = client.driver.generate_many.call_one([("good", PROMPTS[0], params), ("bad", list(range(70)), params)], port)
+        items: list[Any] = []
+        while not any(rid == "good" and kind == "end" for rid, kind, _ in items):
+            items += receiver.recv().get(timeout=T)
+        call.get(timeout=T)
+        receiver.close()
+        [(kind, error)] = [(kind, value) for rid, kind, value in items if rid == "bad"]
+        assert kind == "failed" and isinstance(error, ValueError) and "context" in str(error)
+        assert [v for rid, kind, v in items if rid == "good" and kind == "token"] == hf_greedy(old, PROMPTS[0], 3)

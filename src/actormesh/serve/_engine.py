@@ -94,6 +94,16 @@ class LLMEngine:
         self._post("add", Request(rid, ids, params, sink))
         return rid
 
+    def submit_many(self, requests: Sequence[tuple[str, Sequence[int], SamplingParams, Callable[[Event], None]]]) -> None:
+        """Queue several ``(request_id, prompt_ids, params, sink)`` at once: they join the same step.
+
+        Validates every prompt first and raises ValueError for the first bad
+        one (then none is queued), EngineClosedError after close.
+        """
+        checked = [Request(rid, check_prompt(list(ids), params, self.max_context, self.backend.vocab_size), params, sink)
+                   for rid, ids, params, sink in requests]
+        self._post_all([("add", req) for req in checked])
+
     def cancel(self, request_id: str) -> None:
         """Stop a request; its slot is free from the next step. Unknown or finished ids are ignored."""
         self._post("cancel", request_id, check=False)
@@ -212,12 +222,15 @@ class LLMEngine:
         self.close()
 
     def _post(self, kind: str, item: Any, check: bool = True) -> None:
+        self._post_all([(kind, item)], check)
+
+    def _post_all(self, items: list[tuple[str, Any]], check: bool = True) -> None:
         with self._cond:
             if self._closing or self._dead is not None:
                 if not check:
                     return
                 raise EngineClosedError(f"the engine is closed{f': {self._dead!r}' if self._dead else ''}")
-            self._inbox.append((kind, item))
+            self._inbox.extend(items)
             self._cond.notify_all()
 
     # -------------------------------------------------------------- loop thread

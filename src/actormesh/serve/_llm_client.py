@@ -81,6 +81,25 @@ def receive_batches(receiver: Any, handle: Callable[[Any], None]) -> None:
         handle(batch)
 
 
+Sinks = dict[str, tuple[asyncio.AbstractEventLoop, "asyncio.Queue[tuple[str, Any]]"]]
+
+
+def dispatch_batch(sinks: Sinks, batch: list[tuple[str, str, Any]]) -> None:
+    """Hand one replica step's ``(request_id, kind, value)`` items to their streams' queues
+    (``sinks``: request id -> its stream's loop and queue), waking each event loop once per
+    step, not once per token."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], tuple[str, Any]]]] = {}
+    for rid, kind, value in batch:
+        sink = sinks.get(rid)
+        if sink is not None:
+            by_loop.setdefault(sink[0], []).append((sink[1], (kind, value)))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that loop is closed: its streams are gone
+            pass
+
+
 class LLMServerClient:
     """Call an ``LLMServer`` replica (from :func:`~actormesh.serve.spawn_llm_server`) as a TokenGenerator.
 
@@ -108,7 +127,8 @@ class LLMServerClient:
         self.vocab_size: int | None = info["vocab_size"]
         self.token_timeout_s = token_timeout_s
         self._versions = itertools.count(1)
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[tuple[str, Any]]]] = {}
+        self._sinks: Sinks = {}
+        self._pending: dict[asyncio.AbstractEventLoop, list[Any]] = {}  # requests not sent yet, per event loop
         self._port, self._receiver = Channel.open()
         self._thread = threading.Thread(target=self._receive, name="llm-client-receiver", daemon=True)
         self._thread.start()
@@ -118,16 +138,7 @@ class LLMServerClient:
         receive_batches(self._receiver, self._dispatch)
 
     def _dispatch(self, batch: list[tuple[str, str, Any]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], tuple[str, Any]]]] = {}
-        for rid, kind, value in batch:
-            sink = self._sinks.get(rid)
-            if sink is not None:
-                by_loop.setdefault(sink[0], []).append((sink[1], (kind, value)))
-        for loop, items in by_loop.items():  # one wake-up per event loop per step, not per token
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its streams are gone
-                pass
+        dispatch_batch(self._sinks, batch)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
         """Stream new token ids; ValueError at once for a prompt over the context (TokenGenerator)."""
@@ -141,20 +152,54 @@ class LLMServerClient:
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         rid = f"req-{uuid.uuid4().hex[:16]}"
 
-        def on_call_done(call: asyncio.Future[Any]) -> None:
-            if not call.cancelled() and call.exception() is not None:
-                queue.put_nowait(("failed", call.exception()))
-
         self._sinks[rid] = (loop, queue)
-        self.driver.generate.call_one(rid, ids, params, self._port).as_asyncio().add_done_callback(on_call_done)
+        self._send(loop, (rid, ids, params), queue)
         try:
             async with contextlib.aclosing(
-                stream_tokens(queue, self.token_timeout_s, "LLMServer", lambda: self.driver.cancel.call_one(rid))
+                stream_tokens(queue, self.token_timeout_s, "LLMServer", lambda: self._cancel(loop, rid))
             ) as tokens:
                 async for token in tokens:
                     yield token
         finally:
             self._sinks.pop(rid, None)
+
+    def _send(self, loop: asyncio.AbstractEventLoop, request: tuple[str, list[int], SamplingParams],
+              queue: asyncio.Queue[tuple[str, Any]]) -> None:
+        """Send a request with the others started in the same turn of ``loop``: they then reach the
+        replica in one message and join its batch at the same step (fewer steps, fewer messages)."""
+        pending = self._pending.get(loop)
+        if pending is None:
+            pending = self._pending[loop] = []
+            loop.call_soon(self._send_pending, loop)
+        pending.append((request, queue))
+
+    def _cancel(self, loop: asyncio.AbstractEventLoop, rid: str) -> None:
+        pending = self._pending.get(loop, [])
+        for i, ((pending_rid, _, _), _) in enumerate(pending):
+            if pending_rid == rid:  # not sent yet: a cancel would overtake it and the request run unread
+                del pending[i]
+                return
+        self.driver.cancel.call_one(rid)
+
+    def _send_pending(self, loop: asyncio.AbstractEventLoop) -> None:
+        pending = self._pending.pop(loop, [])
+        if not pending:  # every one was cancelled before it left
+            return
+        if len(pending) == 1:
+            (rid, ids, params), _ = pending[0]
+            call = self.driver.generate.call_one(rid, ids, params, self._port)
+        else:
+            call = self.driver.generate_many.call_one([request for request, _ in pending], self._port)
+        queues = [queue for _, queue in pending]
+
+        def on_call_done(call: asyncio.Future[Any]) -> None:
+            # The replica died or refused the call: every stream of it that is still open fails
+            # (one that already ended has left its queue behind: the item is never read).
+            if not call.cancelled() and call.exception() is not None:
+                for queue in queues:
+                    queue.put_nowait(("failed", call.exception()))
+
+        call.as_asyncio().add_done_callback(on_call_done)
 
     def update_weights(self, weights: Any, drain: bool = False, timeout_s: float = 300.0) -> None:
         """Swap the replica's weights with no request lost: a full state dict, or a path every rank reads.

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -29,7 +28,8 @@ from ..mesh import ActorMesh, ProcMesh
 from ..parallel import Plan, StepPlan, check_weights
 from ..runtime import Actor, Port, concurrent_endpoint, endpoint
 from ._engine import LLMEngine
-from ._scheduler import Event
+from ._llm_replica import _Replica, _ReplicaBackend, _seeded_weights
+from ._scheduler import Event, check_prompt
 from ._types import SamplingParams
 
 __all__ = ["LLMServer", "spawn_llm_server"]
@@ -37,115 +37,12 @@ __all__ = ["LLMServer", "spawn_llm_server"]
 Weights = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
-class _Replica:
-    """This rank's chunk, cache and runner, and the replica's process group (when it has several ranks)."""
-
-    def __init__(self, model_fn: Callable[[], Any], plan: Plan, stages: Any, max_slots: int, max_context: int | None,
-                 seed: int, pg_timeout_s: float) -> None:
-        import torch
-
-        from ..parallel import (KVCache, StepRunner, build_chunk, check_inference_plan, hidden_size_of, replica_stages,
-                                stage_links, world_mesh)
-
-        check_inference_plan(plan)
-        with torch.device("meta"):
-            probe = model_fn()
-        ranges = replica_stages(probe, plan, stages)
-        self.model_max = int(probe.max_context)
-        self.max_context = self.model_max if max_context is None else int(max_context)
-        if not 1 < self.max_context <= self.model_max:
-            raise ValueError(f"max_context={max_context} must be in 2..{self.model_max} (the model's positions)")
-        config = getattr(probe, "config", None)
-        self.vocab_size = int(config.vocab_size) if getattr(config, "vocab_size", None) is not None else None
-        self.distributed = plan.world_size > 1
-        self.rank = int(os.environ.get("RANK", "0")) if self.distributed else 0
-        links = None
-        if self.distributed:
-            from ..spmd import init_process_group
-
-            init_process_group(timeout_s=pg_timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        mesh = world_mesh(plan, self.device.type) if self.distributed else None
-        if mesh is not None:
-            self.chunk = build_chunk(model_fn, plan, ranges, mesh, self.device)
-        else:
-            torch.manual_seed(seed)
-            self.chunk = model_fn().to(self.device).eval()
-        if self.distributed:
-            dtype = next(self.chunk.parameters()).dtype
-            links = stage_links(plan, self.rank, hidden_size_of(probe), dtype)
-        self.stages = [list(r) for r in ranges] if ranges is not None else None
-        cache = KVCache(max_slots, self.max_context, probe.sliding_window)
-        self.version = 0  #: the weight version this rank holds (0: the ones it was built with)
-        self.runner = StepRunner(self.chunk, cache, self.device, links, compile=plan.compile)
-
-    def load(self, weights: Any) -> None:
-        from ..parallel import load_weights, read_weights
-
-        state = read_weights(weights) if isinstance(weights, (str, os.PathLike)) else weights
-        load_weights([self.chunk], state)
-
-
-def _seeded_weights(model_fn: Callable[[], Any], seed: int) -> dict[str, Any]:
-    """The full model as a single process builds it under ``torch.manual_seed(seed)``."""
-    import torch
-
-    torch.manual_seed(seed)
-    return model_fn().state_dict()
-
-
-class _ReplicaBackend:
-    """Rank 0's engine backend: broadcast each plan to the followers, then run it here too."""
-
-    def __init__(self, replica: _Replica, server: LLMServer, idle_s: float) -> None:
-        self.replica, self.server, self.idle_s = replica, server, idle_s
-        self.max_context, self.vocab_size = replica.max_context, replica.vocab_size
-        self.broken = False
-        self._last_broadcast = time.monotonic()
-
-    def _broadcast(self, plan: StepPlan) -> None:
-        if not self.replica.distributed:
-            return
-        import torch.distributed as dist
-
-        try:
-            dist.broadcast_object_list([plan], src=0)
-        except Exception:
-            self.broken = True
-            raise
-        self._last_broadcast = time.monotonic()
-
-    def run(self, plan: StepPlan) -> list[int]:
-        self._broadcast(plan)
-        try:
-            out = self.replica.runner.run(plan)
-        except Exception:
-            self.broken = self.replica.distributed  # the followers' step may be stuck half-way
-            raise
-        assert out is not None
-        return out
-
-    def idle(self) -> None:
-        if self.replica.distributed and time.monotonic() - self._last_broadcast >= self.idle_s:
-            self._broadcast(StepPlan(kind="idle"))
-
-    def swap(self, version: int) -> None:
-        self._broadcast(StepPlan(kind="swap", version=version))
-        self.replica.load(self.server.take_staged(version))
-        self.replica.version = version
-
-    def close(self) -> None:
-        try:
-            self._broadcast(StepPlan(kind="stop"))
-        except Exception:
-            pass
-
-
 class LLMServer(Actor):
     """One replica's rank: its model chunk; on rank 0 also the batching engine.
 
     Endpoints: ``setup()`` (all ranks), ``generate(request_id, prompt_ids,
-    params, port)`` and ``cancel(request_id)`` (rank 0), ``stage_weights``
+    params, port)``, ``generate_many(requests, port)`` and
+    ``cancel(request_id)`` (rank 0), ``stage_weights``
     (all ranks) then ``commit_weights`` (rank 0) to swap weights, ``info()``.
     """
 
@@ -221,10 +118,55 @@ class LLMServer(Actor):
         "cancelled"). Raises ValueError for a prompt over the context,
         RuntimeError if a step failed, EngineClosedError when stopping.
         """
+        event = await self._submit(request_id, prompt_ids, params, port, errors_to_port=False)
+        if event.error is not None:
+            raise event.error
+        return cast(str, event.finish)
+
+    @concurrent_endpoint
+    async def generate_many(self, requests: list[tuple[str, list[int], SamplingParams]], port: Port[Any]) -> None:
+        """Generate for several requests sent together (rank 0), so they join the batch at the same step.
+
+        Events go to ``port`` as for :meth:`generate`; a request's error is an
+        item ``(request_id, "failed", exception)`` there. Returns when every
+        request has ended.
+        """
+        engine = self._driver()
+        loop = asyncio.get_running_loop()
+        done = [loop.create_future() for _ in requests]
+        sinks = [self._sink(port, rid, loop, fut, errors_to_port=True) for (rid, _, _), fut in zip(requests, done)]
+        good: list[tuple[str, list[int], SamplingParams, Callable[[Event], None]]] = []
+        refused: list[tuple[str, str, BaseException]] = []
+        for (rid, ids, params), sink, fut in zip(requests, sinks, done):
+            try:
+                check_prompt(list(ids), params, engine.max_context, engine.backend.vocab_size)
+                good.append((rid, ids, params, sink))
+            except ValueError as exc:  # this request only
+                refused.append((rid, "failed", exc))
+                fut.set_result(Event(error=exc))
+        try:  # all at once, so they join the same step
+            engine.submit_many(good)
+        except Exception as exc:  # the engine is closed: none was queued
+            refused += [(rid, "failed", exc) for rid, _, _, _ in good]
+            for fut in done:
+                if not fut.done():
+                    fut.set_result(Event(error=exc))
+        if refused:
+            port.send(refused)
+        await asyncio.gather(*done)
+
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, port: Port[Any],
+                errors_to_port: bool) -> asyncio.Future[Event]:
+        """Queue one request on the engine; the future gets its final event."""
         engine = self._driver()
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Event] = loop.create_future()
+        engine.submit(prompt_ids, params, self._sink(port, request_id, loop, done, errors_to_port), request_id)
+        return done
 
+    def _sink(self, port: Port[Any], request_id: str, loop: asyncio.AbstractEventLoop, done: asyncio.Future[Event],
+              errors_to_port: bool) -> Callable[[Event], None]:
+        """A request's events (on the engine thread) into the port's outbox; the last one also settles ``done``."""
         def settle(event: Event) -> None:
             if not done.done():
                 done.set_result(event)
@@ -235,13 +177,11 @@ class LLMServer(Actor):
                 return
             if event.error is None:
                 self._queue(port, (request_id, "end", event.finish))
+            elif errors_to_port:
+                self._queue(port, (request_id, "failed", event.error))
             loop.call_soon_threadsafe(settle, event)
 
-        engine.submit(prompt_ids, params, sink, request_id)
-        event = await done
-        if event.error is not None:
-            raise event.error
-        return cast(str, event.finish)
+        return sink
 
     def _queue(self, port: Port[Any], item: tuple[str, str, Any]) -> None:
         with self._outbox_lock:

@@ -34,7 +34,7 @@ from typing import Any
 from ..parallel import Plan
 from ..runtime import Channel, Port, concurrent_endpoint, endpoint
 from ._errors import ReplicaFailed
-from ._llm_client import receive_batches, stream_tokens
+from ._llm_client import Sinks, dispatch_batch, receive_batches, stream_tokens
 from ._llm_server import LLMServer, Weights
 from ._scheduler import check_prompt
 from ._service import Service
@@ -175,7 +175,7 @@ class LLMService:
         self._weights_lock = threading.Lock()  # a swap and a replica's set-up never interleave
         self._first = threading.Event()
         self._closing = threading.Event()
-        self._sinks: dict[str, Callable[[tuple[str, Any]], None]] = {}
+        self._sinks: Sinks = {}  # request id -> its stream's loop and queue
         self._port, self._receiver = Channel.open()
         self._receiver_thread = threading.Thread(target=self._receive, name="llm-service-receiver", daemon=True)
         self._receiver_thread.start()
@@ -304,27 +304,18 @@ class LLMService:
         receive_batches(self._receiver, self._dispatch)
 
     def _dispatch(self, batch: list[tuple[str, str, Any]]) -> None:
-        for rid, kind, value in batch:
-            sink = self._sinks.get(rid)
-            if sink is not None:
-                sink((kind, value))
+        dispatch_batch(self._sinks, batch)
 
     async def _stream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[int]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         rid = f"req-{uuid.uuid4().hex[:16]}"
 
-        def push(item: tuple[str, Any]) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the stream's loop is gone
-                pass
-
         def on_call_done(call: asyncio.Future[Any]) -> None:
             if not call.cancelled() and call.exception() is not None:
                 queue.put_nowait(("failed", call.exception()))
 
-        self._sinks[rid] = push
+        self._sinks[rid] = (loop, queue)
         try:
             # route() raises at once when the service cannot take it (overloaded, stopped): it never ran
             self.service.generate.route(rid, ids, params, self._port).as_asyncio().add_done_callback(on_call_done)
