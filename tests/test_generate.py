@@ -335,3 +335,18 @@ def test_compiled_engine_equals_hf_generate() -> None:
     refs = [hf_greedy(hf, p, 4) for p in prompts]
     with LLMEngine(model, max_slots=2, compile="aot_eager") as engine:
         assert engine.complete(prompts, SamplingParams(max_tokens=4)) == refs
+
+
+def test_logprobs_are_the_models_log_softmax_of_each_sampled_token(llama: tuple[Any, Any], engine: LLMEngine) -> None:
+    hf, _ = llama
+    prompt = PROMPTS[2]
+    for params in (SamplingParams(max_tokens=5, logprobs=True), SamplingParams(max_tokens=5, logprobs=True, temperature=1.0, seed=3)):
+        pairs = asyncio.run(collect(engine, prompt, params))
+        tokens = [t for t, _ in pairs]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([lp for _, lp in pairs]), want, atol=1e-4)
+    # a request without logprobs beside one with them streams plain token ids
+    plain = asyncio.run(collect(engine, prompt, SamplingParams(max_tokens=5)))
+    assert plain == [t for t, _ in asyncio.run(collect(engine, prompt, SamplingParams(max_tokens=5, logprobs=True)))]

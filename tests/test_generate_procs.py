@@ -91,6 +91,14 @@ def test_greedy_equals_hf_generate_under_the_plan(procs: Any, plan: Plan) -> Non
         assert run(joining(client, 16, 8)) == [hf_greedy(old, PROMPTS[0], 16)] + [hf_greedy(old, p, 8) for p in PROMPTS[1:]]
         sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
         assert run(collect(client, PROMPTS[1], sampled)) == run(collect(client, PROMPTS[1], sampled))
+        # log-probabilities come from the rank that samples (under pp=2 the last stage) to rank 0
+        pairs = run(collect(client, PROMPTS[1], SamplingParams(max_tokens=4, logprobs=True)))
+        tokens = [t for t, _ in pairs]
+        assert tokens == hf_greedy(old, PROMPTS[1], 4)
+        with torch.no_grad():
+            logits = old(torch.tensor([PROMPTS[1] + tokens])).logits[0, len(PROMPTS[1]) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor([lp for _, lp in pairs]), want, atol=1e-4)
         # weights that do not fit are refused by the rank that checks them; nothing is swapped anywhere
         partial_state = {k: v for k, v in from_hf_state_dict(new.state_dict()).items() if not k.startswith("blocks.3.")}
         with pytest.raises(ValueError, match="lack"):

@@ -47,6 +47,7 @@ class StepPlan:
     sampling: list[tuple[float, int, float]] = field(default_factory=list)
     seeds: dict[int, int] = field(default_factory=dict)
     version: int = 0  #: for "swap": which staged weights to install
+    logprobs: bool = False  #: also give each sampled token's log-probability (``StepRunner.last_logprobs``)
 
     def groups(self) -> list[list[int]]:
         """Row indices of the prefill pass (new prompts) and of the decode pass (one token each)."""
@@ -84,6 +85,14 @@ class Sampler:
 
     def __init__(self) -> None:
         self.generators: dict[int, Any] = {}
+
+    @staticmethod
+    def logprobs(logits: Any, tokens: list[int]) -> list[float]:
+        """Each row's log-probability of its token under the model's distribution (the raw logits)."""
+        import torch
+
+        picked = torch.tensor(tokens, device=logits.device)[:, None]
+        return torch.log_softmax(logits.float(), dim=-1).gather(1, picked)[:, 0].tolist()
 
     def sample(self, logits: Any, plan: StepPlan, rows: list[int]) -> list[int]:
         """Tokens for ``rows`` of ``plan`` from ``logits[len(rows), vocab]``."""
@@ -142,6 +151,7 @@ class StepRunner:
 
         self.chunk, self.cache, self.device, self.links = chunk, cache, device, links
         self.sampler = Sampler()
+        self.last_logprobs: list[float] | None = None  #: of the last ``run`` whose plan asked for them (rank 0)
         self.forward = chunk.forward_cached
         self.compiled = bool(compile)
         if compile:
@@ -167,12 +177,19 @@ class StepRunner:
                 if out is not None:
                     logits.append(out)
         tokens: list[int] | None = None
+        logprobs: list[float] | None = None
         if self.samples:
-            picked = self.sampler.sample(torch.cat(logits) if len(logits) > 1 else logits[0], plan, order)
+            rows_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+            picked = self.sampler.sample(rows_logits, plan, order)
             tokens = [0] * len(order)
             for row, tok in zip(order, picked):
                 tokens[row] = tok
-        return self._to_rank0(tokens, len(order))
+            if plan.logprobs:
+                logprobs = [0.0] * len(order)
+                for row, lp in zip(order, Sampler.logprobs(rows_logits, picked)):
+                    logprobs[row] = lp
+        tokens, self.last_logprobs = self._to_rank0(tokens, logprobs, len(order), plan.logprobs)
+        return tokens
 
     def _forward(self, plan: StepPlan, rows: list[int]) -> Any:
         """One pass over ``rows`` (all prefill or all decode); logits ``[len(rows), vocab]`` on the last stage."""
@@ -207,19 +224,27 @@ class StepRunner:
             return None
         return h[:, -1]
 
-    def _to_rank0(self, tokens: list[int] | None, n: int) -> list[int] | None:
-        """Bring the sampled tokens to rank 0 when another rank sampled them."""
+    def _to_rank0(self, tokens: list[int] | None, logprobs: list[float] | None, n: int,
+                  with_logprobs: bool) -> tuple[list[int] | None, list[float] | None]:
+        """Bring the sampled tokens (and their log-probabilities) to rank 0 when another rank sampled them."""
         import torch
         import torch.distributed as dist
 
         links = self.links
         if links is None or links.sampler_rank == 0:
-            return tokens if links is None or links.rank == 0 else None
+            return (tokens, logprobs) if links is None or links.rank == 0 else (None, None)
         if links.rank == links.sampler_rank:
             dist.send(torch.tensor(tokens, dtype=torch.long), dst=0)
-            return None
+            if with_logprobs:
+                dist.send(torch.tensor(logprobs, dtype=torch.float64), dst=0)
+            return None, None
         if links.rank == 0:
             buf = torch.empty(n, dtype=torch.long)
             dist.recv(buf, src=links.sampler_rank)
-            return buf.tolist()
-        return None
+            lps = None
+            if with_logprobs:
+                lp_buf = torch.empty(n, dtype=torch.float64)
+                dist.recv(lp_buf, src=links.sampler_rank)
+                lps = lp_buf.tolist()
+            return buf.tolist(), lps
+        return None, None

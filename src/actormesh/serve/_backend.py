@@ -16,7 +16,8 @@ class EngineBackend(Protocol):
     vocab_size: int | None
 
     def run(self, plan: StepPlan) -> list[int]:
-        """Run one step; the next token of every row."""
+        """Run one step; the next token of every row. After a plan with ``logprobs=True``, a backend
+        that can also has their log-probabilities in ``last_logprobs``."""
         ...
 
     def idle(self) -> None:
@@ -59,6 +60,11 @@ class LocalBackend:
         out = self.runner.run(plan)
         assert out is not None
         return out
+
+    @property
+    def last_logprobs(self) -> list[float] | None:
+        """The last step's log-probabilities, when its plan asked for them."""
+        return self.runner.last_logprobs
 
     def idle(self) -> None:
         pass

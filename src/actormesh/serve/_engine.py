@@ -109,7 +109,8 @@ class LLMEngine:
         self._post("cancel", request_id, check=False)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
-        """Stream the new token ids of one request (the TokenGenerator protocol).
+        """Stream the new token ids of one request (the TokenGenerator protocol); with
+        ``params.logprobs``, ``(token id, log-probability)`` pairs.
 
         Validates at once (ValueError for a prompt over the context); the
         request starts when the iterator is first awaited. Closing it early
@@ -141,7 +142,7 @@ class LLMEngine:
                 if event.finish is not None:
                     finished = True
                     return
-                yield event.token  # type: ignore[misc]
+                yield event.token if event.logprob is None else (event.token, event.logprob)  # type: ignore[misc]
         finally:
             if not finished:
                 self.cancel(rid)
@@ -306,7 +307,8 @@ class LLMEngine:
             return
         self.steps += 1
         self.step_s += time.perf_counter() - t0
-        for req, event in self._scheduler.commit(plan, tokens):
+        logprobs = getattr(self.backend, "last_logprobs", None) if plan.logprobs else None
+        for req, event in self._scheduler.commit(plan, tokens, logprobs):
             if event.token is not None:
                 self.tokens_generated += 1
             _deliver(req, event)

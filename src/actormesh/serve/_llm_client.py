@@ -141,7 +141,10 @@ class LLMServerClient:
         dispatch_batch(self._sinks, batch)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
-        """Stream new token ids; ValueError at once for a prompt over the context (TokenGenerator)."""
+        """Stream new token ids; ValueError at once for a prompt over the context (TokenGenerator).
+
+        With ``params.logprobs``, ``(token id, log-probability)`` pairs.
+        """
         if not self._thread.is_alive():
             raise RuntimeError("this LLMServerClient is closed")
         ids = check_prompt(list(prompt_ids), params, self.max_context, self.vocab_size)

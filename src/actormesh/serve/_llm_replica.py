@@ -105,6 +105,11 @@ class _ReplicaBackend:
         assert out is not None
         return out
 
+    @property
+    def last_logprobs(self) -> list[float] | None:
+        """The last step's log-probabilities, when its plan asked for them."""
+        return self.replica.runner.last_logprobs
+
     def idle(self) -> None:
         if self.replica.distributed and time.monotonic() - self._last_broadcast >= self.idle_s:
             self._broadcast(StepPlan(kind="idle"))

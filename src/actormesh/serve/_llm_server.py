@@ -173,7 +173,10 @@ class LLMServer(Actor):
 
         def sink(event: Event) -> None:
             if event.token is not None:
-                self._queue(port, (request_id, "token", event.token))
+                if event.logprob is None:
+                    self._queue(port, (request_id, "token", event.token))
+                else:
+                    self._queue(port, (request_id, "token", (event.token, event.logprob)))
                 return
             if event.error is None:
                 self._queue(port, (request_id, "end", event.finish))

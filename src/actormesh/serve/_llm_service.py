@@ -293,7 +293,10 @@ class LLMService:
 
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
-        """Stream new token ids; ValueError at once for a prompt over the context (TokenGenerator)."""
+        """Stream new token ids; ValueError at once for a prompt over the context (TokenGenerator).
+
+        With ``params.logprobs``, ``(token id, log-probability)`` pairs.
+        """
         if not self.max_context:
             raise RuntimeError("the LLMService is not ready: call ready() first")
         ids = check_prompt(list(prompt_ids), params, self.max_context, self.vocab_size)

@@ -30,6 +30,7 @@ class Event:
     token: int | None = None
     finish: str | None = None  #: "stop" (a stop token), "length" (max_tokens), "cancelled"
     error: BaseException | None = None
+    logprob: float | None = None  #: the token's log-probability, when the request asked for it
 
 
 @dataclass(eq=False)
@@ -112,12 +113,13 @@ class Scheduler:
             plan.starts.append(req.position)
             p = req.params
             plan.sampling.append((float(p.temperature), int(p.top_k), float(p.top_p)))
+            plan.logprobs = plan.logprobs or p.logprobs
         return plan if plan.slots else None
 
-    def commit(self, plan: StepPlan, tokens: list[int]) -> list[tuple[Request, Event]]:
-        """Apply the step's sampled ``tokens``; the events to deliver, in row order."""
+    def commit(self, plan: StepPlan, tokens: list[int], logprobs: list[float] | None = None) -> list[tuple[Request, Event]]:
+        """Apply the step's sampled ``tokens`` (and their ``logprobs``); the events to deliver, in row order."""
         events: list[tuple[Request, Event]] = []
-        for slot, fed, start, token in zip(plan.slots, plan.tokens, plan.starts, tokens):
+        for row, (slot, fed, start, token) in enumerate(zip(plan.slots, plan.tokens, plan.starts, tokens)):
             req = self.running[slot]
             req.position = start + len(fed)
             if token in req.params.stop_token_ids:
@@ -126,7 +128,8 @@ class Scheduler:
                 continue
             req.generated.append(token)
             req.pending = token
-            events.append((req, Event(token=token)))
+            logprob = logprobs[row] if logprobs is not None and req.params.logprobs else None
+            events.append((req, Event(token=token, logprob=logprob)))
             if len(req.generated) >= req.params.max_tokens:
                 self._retire(req)
                 events.append((req, Event(finish="length")))

@@ -28,6 +28,8 @@ class SamplingParams:
     top_p: float = 1.0  #: 1.0 = no nucleus filter
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    #: also report each new token's log-probability under the model (``LLMService.sample``, ``Event.logprob``)
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
