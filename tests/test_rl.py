@@ -141,3 +141,21 @@ def test_the_loop_trains_syncs_weights_and_survives_a_raising_reward(mode: str) 
             loop.generator.update_weights(bad)
     with pytest.raises(RuntimeError, match="stopped"):
         loop.step()
+
+
+@pytest.mark.timeout(120)
+def test_published_weights_are_read_from_the_trainer_under_fsdp(spawn_procs: Any) -> None:
+    from actormesh.parallel import PublishedWeights, publish_weights, spawn_trainer
+
+    procs = spawn_procs(per_host={"gpus": 2})
+    trainer = spawn_trainer(procs, MODEL, grpo_loss, partial(torch.optim.AdamW, lr=1e-2), Plan(fsdp=2), timeout=120)
+    published = publish_weights(trainer, version=1)
+    assert isinstance(published, PublishedWeights) and len(published.parts) == 1  # the stage's first rank holds them
+    import pickle
+
+    assert len(pickle.dumps(published)) < 4096  # handles and layout only: the bytes stay in the trainer
+    full = gather_state_dict(trainer)
+    fetched = published.fetch()
+    assert sorted(fetched) == sorted(full) == sorted(published.keys())
+    assert all(torch.equal(fetched[k], full[k]) for k in full)
+    assert published.nbytes >= sum(t.numel() * t.element_size() for t in full.values())

@@ -39,7 +39,8 @@ from ._train_data import TrainDataError
 from ._train_elastic import ElasticTrainer, Recovery, TrainingFailed, spawn_elastic_trainer
 from ._train_figures import StepFigures
 from ._train_options import LRSchedule, TrainOptions, TrainOptionsError
-from ._trainer import Trainer, gather_state_dict, spawn_trainer
+from ._publish import PublishedWeights, resolve_weights
+from ._trainer import Trainer, gather_state_dict, publish_weights, spawn_trainer
 
 __all__ = [
     "AutoPlan",
@@ -81,6 +82,9 @@ __all__ = [
     "default_tp_plan",
     "equal_stages",
     "gather_state_dict",
+    "publish_weights",
+    "PublishedWeights",
+    "resolve_weights",
     "partition",
     "spawn_trainer",
 ]

@@ -24,11 +24,12 @@ from ..runtime import Actor, endpoint
 from ._pipeline import cut_to_stage, stage_ids
 from ._train_checkpoint import load_checkpoint, model_shapes, save_checkpoint
 from ._plan import Plan, PlanError
+from ._publish import PublishedWeights
 from ._train_data import DataFactory, RankData
 from ._train_figures import StepFigures
 from ._train_options import TrainOptions
 
-__all__ = ["Trainer", "spawn_trainer", "gather_state_dict"]
+__all__ = ["Trainer", "spawn_trainer", "gather_state_dict", "publish_weights"]
 
 Batch = Sequence[Any]  # (inputs, targets)
 NO_BATCH = "step() without a batch reads the data on the ranks: pass spawn_trainer(..., data=factory), or give step a batch"
@@ -282,6 +283,15 @@ class Trainer(Actor):
         return {k: v.detach().cpu() for k, v in out.items()}
 
     @endpoint
+    def publish_weights(self) -> Any:
+        """:meth:`state_dict`, registered as an RDMA buffer on the ranks that hold a first copy
+        (``(buffer, layout)``; the others return None): see :func:`publish_weights`."""
+        from ._publish import Publisher
+
+        publisher = self.__dict__.setdefault("_publisher", Publisher())
+        return publisher.publish(self.state_dict())
+
+    @endpoint
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load full model weights (e.g. from :func:`gather_state_dict` or a single-process model)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -386,6 +396,17 @@ def spawn_trainer(
         trainer.stop("setup failed").get(timeout=60)
         raise
     return trainer
+
+
+def publish_weights(trainer: ActorMesh[Trainer], version: int = 0, timeout: float = 300.0) -> PublishedWeights:
+    """The full model's weights left in the trainer's memory as RDMA buffers, under any plan.
+
+    Returns a small :class:`PublishedWeights` (handles and layout) that can be
+    sent anywhere; its ``fetch()`` reads the bytes straight from the trainer's
+    ranks, so the controller never carries them.
+    """
+    parts = [p for p in trainer.publish_weights.call().get(timeout=timeout).values() if p is not None]
+    return PublishedWeights(version, tuple(parts))
 
 
 def gather_state_dict(trainer: ActorMesh[Trainer], timeout: float = 300.0) -> dict[str, Any]:

@@ -158,7 +158,7 @@ class GRPOLoop:
         lag = self.version - min(s.version for s in samples)
         sync_s = 0.0
         if self.steps % cfg.sync_every == 0:
-            sync_s = push_weights(self.trainer, self.generator, self.timeout_s)
+            sync_s = push_weights(self.trainer, self.generator, self.version + 1, self.timeout_s)
             self.version += 1
         rewards = [s.reward for s in samples]
         elapsed = time.perf_counter() - t0

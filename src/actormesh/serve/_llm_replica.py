@@ -60,9 +60,9 @@ class _Replica:
         self.runner = StepRunner(self.chunk, cache, self.device, links, compile=plan.compile)
 
     def load(self, weights: Any) -> None:
-        from ..parallel import load_weights, read_weights
+        from ..parallel import load_weights, resolve_weights
 
-        state = read_weights(weights) if isinstance(weights, (str, os.PathLike)) else weights
+        state = resolve_weights(weights)
         load_weights([self.chunk], state)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from ..mesh import ActorMesh, ProcMesh
-from ..parallel import Plan, StepPlan, check_weights
+from ..parallel import Plan, PublishedWeights, StepPlan, check_weights
 from ..runtime import Actor, Port, concurrent_endpoint, endpoint
 from ._engine import LLMEngine
 from ._llm_replica import _Replica, _ReplicaBackend, _seeded_weights
@@ -34,7 +34,8 @@ from ._types import SamplingParams
 
 __all__ = ["LLMServer", "spawn_llm_server"]
 
-Weights = Mapping[str, Any] | str | os.PathLike[str] | None
+#: a state dict, a path each rank reads, or weights a trainer published (each rank fetches them over rdma)
+Weights = Mapping[str, Any] | str | os.PathLike[str] | PublishedWeights | None
 
 
 class LLMServer(Actor):
@@ -204,7 +205,8 @@ class LLMServer(Actor):
 
     @endpoint
     async def stage_weights(self, version: int, weights: Weights) -> None:
-        """Phase 1 of a swap, on every rank: read (a path) and check the new weights, keep them beside the old.
+        """Phase 1 of a swap, on every rank: read (a path), fetch (published weights) and check the new
+        weights, keep them beside the old.
 
         Raises ValueError if they do not fit this rank's chunk; then nothing is staged.
         """
@@ -276,9 +278,9 @@ class LLMServer(Actor):
 
 
 def _read_if_path(weights: Any) -> Any:
-    from ..parallel import read_weights
+    from ..parallel import resolve_weights
 
-    return read_weights(weights) if isinstance(weights, (str, os.PathLike)) else weights
+    return resolve_weights(weights)  # a path is read, published weights are fetched from the trainer
 
 
 def spawn_llm_server(procs: ProcMesh, model_fn: Callable[[], Any], plan: Plan | None = None, *, weights: Weights = None,
