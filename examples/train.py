@@ -4,12 +4,17 @@ The controller profiles the model here, lets ``auto_plan`` compare every
 dp/fsdp/tp/pp split of the procs and prints why it chose one, spawns one
 trainer actor per proc under that plan (with its pipeline stage boundaries),
 and trains on synthetic tokens that follow a hidden rule, so the loss falls.
+The data is read on the ranks (each data-parallel rank makes its own share
+of every batch from a factory; a step call carries no data), and each step
+returns its figures: loss, gradient norm, learning rate, tokens/s, MFU
+against a matmul peak measured on the ranks, and peak memory per rank.
 
 Run:
     python examples/train.py                        # auto_plan chooses
     python examples/train.py --plan dp=2,tp=2       # or name the plan yourself
     python examples/train.py --memory-mib 3         # a memory limit per rank changes the choice
     python examples/train.py --steps 100 --save /tmp/gpt-ckpt
+    python examples/train.py --max-grad-norm 1 --warmup 5 --precision bf16 --accum 2
 
 Ctrl-C stops the step loop and shuts the trainer and procs down (exit 130); a
 second Ctrl-C exits at once (the procs die with this process). A rank that
@@ -40,7 +45,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import actormesh.actor as am  # noqa: E402
 from actormesh.actor import ActorError, MeshFailure, SupervisionError, this_host  # noqa: E402
-from actormesh.parallel import Plan, PlanError, auto_plan, spawn_trainer  # noqa: E402
+from actormesh.parallel import LRSchedule, Plan, PlanError, StepFigures, TrainOptions, auto_plan, spawn_trainer  # noqa: E402
 from actormesh.parallel.models import gpt, lm_loss  # noqa: E402
 
 VOCAB, SEQ_LEN = 64, 32
@@ -69,6 +74,23 @@ def successor_batches(batch_size: int, seq_len: int = SEQ_LEN, vocab: int = VOCA
         noisy = torch.rand(seq.shape, generator=gen) < noise
         seq = torch.where(noisy, torch.randint(0, vocab, seq.shape, generator=gen), seq)
         yield seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def successor_shards(dp_rank: int, dp_size: int, start_step: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The data factory each data-parallel rank runs: its contiguous share of :func:`successor_batches`, from ``start_step``."""
+    n = batch_size // dp_size
+    for i, (x, y) in enumerate(successor_batches(batch_size)):
+        if i >= start_step:
+            yield x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]
+
+
+def train_options(args: argparse.Namespace) -> TrainOptions:
+    """Clipping, accumulation, warm-up + cosine schedule and precision from the command line."""
+    schedule = None
+    if args.warmup:
+        schedule = LRSchedule(warmup_steps=args.warmup, total_steps=max(args.steps, args.warmup + 1), decay="cosine", min_lr_ratio=0.1)
+    return TrainOptions(max_grad_norm=args.max_grad_norm, grad_accum_steps=args.accum, lr_schedule=schedule,
+                        param_dtype=None if args.precision == "fp32" else args.precision, peak_flops="measure")
 
 
 def parse_plan(text: str) -> Plan:
@@ -162,6 +184,7 @@ class Run:
     tokens: int = 0
     train_s: float = 0.0
     setup_s: float = 0.0
+    last: StepFigures | None = None
 
     def close(self, console: Console, graceful: bool) -> None:
         """Stop the trainer, then the procs, each wait bounded; then kill whatever is left.
@@ -190,16 +213,19 @@ def choose_plan(args: argparse.Namespace, model_fn: Any, sample: Any, procs: Any
 
 
 class StepReporter:
-    """Step, loss and tokens/s: a rich progress bar on a terminal, a line every ``every`` steps otherwise."""
+    """Step figures: a rich progress bar on a terminal (loss, grad norm, lr, tok/s, MFU, memory),
+    a line of step, loss and tokens/s every ``every`` steps otherwise."""
 
     def __init__(self, console: Console, total: int, every: int) -> None:
         self.console, self.total, self.every = console, total, every
         self.bar: Progress | None = None
         if console.is_terminal:
             self.bar = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[rate]} tok/s"),
+                                TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("|g| {task.fields[norm]}"),
+                                TextColumn("lr {task.fields[lr]}"), TextColumn("{task.fields[rate]} tok/s"),
+                                TextColumn("MFU {task.fields[mfu]}"), TextColumn("mem {task.fields[mem]}"),
                                 TimeElapsedColumn(), console=console)
-            self.task = self.bar.add_task("train", total=total, loss="-", rate="-")
+            self.task = self.bar.add_task("train", total=total, loss="-", norm="-", lr="-", rate="-", mfu="-", mem="-")
 
     def __enter__(self) -> StepReporter:
         if self.bar is not None:
@@ -210,9 +236,11 @@ class StepReporter:
         if self.bar is not None:
             self.bar.stop()
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, fig: StepFigures, tokens_per_s: float) -> None:
+        loss = fig.loss
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=f"{loss:.4f}", rate=f"{tokens_per_s:,.0f}")
+            self.bar.update(self.task, completed=step, loss=f"{loss:.4f}", norm=f"{fig.grad_norm:.2f}", lr=f"{fig.lr:.2g}",
+                            rate=f"{tokens_per_s:,.0f}", mfu=format_mfu(fig.mfu), mem=format_memory(fig))
         elif step == 1 or step % self.every == 0 or step == self.total:
             self.console.print(f"step {step:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s",
                                highlight=False)
@@ -222,24 +250,24 @@ class StepReporter:
 def train(args: argparse.Namespace, run: Run, console: Console) -> None:
     start = time.monotonic()
     model_fn = partial(gpt, vocab_size=VOCAB, d_model=args.d_model, n_heads=4, n_blocks=args.blocks, seq_len=SEQ_LEN)
-    batches = successor_batches(args.batch)
     sample = next(successor_batches(args.batch, seed=1))
     run.procs = this_host().spawn_procs(per_host={"gpus": args.procs}, bootstrap=IGNORE_SIGINT)
     plan, stages = choose_plan(args, model_fn, sample, run.procs, console)
     run.trainer = spawn_trainer(run.procs, model_fn, lm_loss, partial(torch.optim.AdamW, lr=args.lr), plan,
-                                stages=stages, timeout=300)
+                                stages=stages, timeout=300, options=train_options(args),
+                                data=partial(successor_shards, batch_size=args.batch))
     run.setup_s = time.monotonic() - start
     console.print(f"trainer ready on {args.procs} procs in {run.setup_s:.1f}s: {plan.describe()}"
                   + (f", stages {format_stages(stages)}" if stages else ""), highlight=False)
     every = args.log_every or max(1, args.steps // 10)
     with StepReporter(console, args.steps, every) as report:
         t0 = time.monotonic()
-        for step, batch in zip(range(1, args.steps + 1), batches):
-            loss = trainer_step(run.trainer, batch)
-            run.step, run.train_s = step, time.monotonic() - t0
-            run.losses.append(loss)
-            run.tokens += batch[0].numel()
-            report.update(step, loss, run.tokens / run.train_s)
+        for step in range(1, args.steps + 1):
+            fig = trainer_step(run.trainer)
+            run.step, run.train_s, run.last = step, time.monotonic() - t0, fig
+            run.losses.append(fig.loss)
+            run.tokens += fig.tokens
+            report.update(step, fig, run.tokens / run.train_s)
     if args.save:
         path = os.path.abspath(args.save)
         run.trainer.save.call(path).get(timeout=300)
@@ -251,14 +279,27 @@ def format_stages(stages: list[range]) -> str:
     return " | ".join(str(r.start) if len(r) == 1 else f"{r.start}-{r.stop - 1}" for r in stages)
 
 
-def trainer_step(trainer: Any, batch: Any) -> float:
-    return float(trainer.step.call(batch).get(timeout=120).values()[0])
+def trainer_step(trainer: Any) -> StepFigures:
+    """One step on the ranks' own data; every rank returns the same figures."""
+    return trainer.step_figures.call().get(timeout=120).values()[0]
+
+
+def format_mfu(mfu: float | None) -> str:
+    return "-" if mfu is None else f"{100 * mfu:.1f}%"
+
+
+def format_memory(fig: StepFigures) -> str:
+    """The largest rank's peak, in MiB (RSS on CPU, torch's allocator on CUDA)."""
+    return f"{max(fig.peak_memory_bytes) / 2**20:,.0f} MiB"
 
 
 def summary(run: Run, wall_s: float) -> str:
     rate = run.tokens / run.train_s if run.train_s else 0.0
+    figures = ""
+    if run.last is not None:
+        figures = f"; MFU {format_mfu(run.last.mfu)}, peak memory {format_memory(run.last)} per rank ({run.last.memory_kind})"
     return (f"done: {run.step} steps, loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f}, {rate:,.0f} tokens/s; "
-            f"wall time {wall_s:.1f}s (setup {run.setup_s:.1f}s, training {run.train_s:.1f}s)")
+            f"wall time {wall_s:.1f}s (setup {run.setup_s:.1f}s, training {run.train_s:.1f}s){figures}")
 
 
 def where(run: Run) -> str:
@@ -277,10 +318,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     p.add_argument("--memory-mib", type=float, default=None, help="auto_plan's memory limit per rank, MiB")
     p.add_argument("--log-every", type=int, default=0, help="without a terminal: a line every N steps (default steps/10)")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this global norm (default: no clipping)")
+    p.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-steps per step (default 1)")
+    p.add_argument("--warmup", type=int, default=0, help="LR warm-up steps, then cosine decay to 0.1x (default 0: constant LR)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype (default fp32)")
     p.add_argument("--save", metavar="DIR", help="save a checkpoint (torch.distributed.checkpoint) here at the end")
     args = p.parse_args(argv)
-    if args.procs < 1 or args.steps < 1 or args.batch < 1:
-        p.error("--procs, --steps and --batch must be >= 1")
+    if args.procs < 1 or args.steps < 1 or args.batch < 1 or args.accum < 1:
+        p.error("--procs, --steps, --batch and --accum must be >= 1")
+    try:
+        train_options(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 

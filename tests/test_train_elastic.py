@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from functools import partial
 from typing import Any
 
 import pytest

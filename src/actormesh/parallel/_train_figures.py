@@ -1,6 +1,6 @@
 """Per-step figures a trainer returns: loss, gradient norm, learning rate, throughput, MFU, memory.
 
-Every rank measures its own step time and peak memory; one all-gather of a
+Every rank measures its own step time and peak memory; one all-reduce of a
 few numbers per rank (the same collective that averages the loss) gives
 every rank the whole mesh's figures, so the controller reads any one rank's.
 
@@ -71,7 +71,7 @@ def peak_memory_bytes(device: Any) -> tuple[int, str]:
 
 def gather_figures(*, loss: float | None, device: Any, started: float, step: int, grad_norm: float, lr: float,
                    local_tokens: int, dp_size: int, flops_per_token: float | None, peak_flops: float | None) -> StepFigures:
-    """All-gather (loss, has loss, peak memory) over the world; the step's figures.
+    """All-reduce (loss, has loss, every rank's peak memory) over the world; the step's figures.
 
     ``loss`` is None on pipeline ranks without the last stage; the mean is
     taken over the ranks that have one. ``local_tokens`` is this rank's share
@@ -81,19 +81,20 @@ def gather_figures(*, loss: float | None, device: Any, started: float, step: int
     import torch.distributed as dist
 
     memory, kind = peak_memory_bytes(device)
-    mine = torch.tensor([loss or 0.0, 0.0 if loss is None else 1.0, float(memory)], dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    table = torch.stack(every)
+    world = dist.get_world_size()
+    # One all-reduce (as cheap as the loss average alone): each rank fills its own memory slot, the sum is the table.
+    row = torch.zeros(2 + world, dtype=torch.float64)
+    row[0], row[1], row[2 + dist.get_rank()] = loss or 0.0, 0.0 if loss is None else 1.0, float(memory)
+    dist.all_reduce(row)
     step_s = time.perf_counter() - started
     tokens = local_tokens * dp_size
     rate = tokens / step_s if step_s > 0 else 0.0
     mfu = None
     if flops_per_token is not None and peak_flops:
-        mfu = rate * flops_per_token / (peak_flops * len(every))
-    return StepFigures(step=step, loss=float(table[:, 0].sum() / table[:, 1].sum()), grad_norm=grad_norm, lr=lr,
+        mfu = rate * flops_per_token / (peak_flops * world)
+    return StepFigures(step=step, loss=float(row[0] / row[1]), grad_norm=grad_norm, lr=lr,
                        tokens=tokens, step_s=step_s, tokens_per_s=rate, mfu=mfu,
-                       peak_memory_bytes=tuple(int(m) for m in table[:, 2].tolist()), memory_kind=kind)
+                       peak_memory_bytes=tuple(int(m) for m in row[2:].tolist()), memory_kind=kind)
 
 
 def measure_matmul_flops(device: Any, dtype_name: str | None = None, budget_s: float = 0.3) -> float:
