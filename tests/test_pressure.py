@@ -88,7 +88,7 @@ class Pressure(Actor):
 
         self.patched_alloc = _frames._alloc
 
-        def failing(nbytes: int) -> bytearray:
+        def failing(nbytes: int, *kind: int) -> bytearray:
             raise MemoryError()
 
         _frames._alloc = failing
@@ -253,7 +253,7 @@ def test_a_large_inline_message_without_memory_fails_alone(worker, monkeypatch):
 def test_the_decoder_skips_a_frame_it_has_no_memory_for_and_goes_on(monkeypatch):
     from actormesh.transport import _frames
 
-    def failing(nbytes: int) -> bytearray:
+    def failing(nbytes: int, *kind: int) -> bytearray:
         raise MemoryError()
 
     wire = b"".join(bytes(p) for p in _frames.encode_frame([b"envelope", bytes(300_000)]))

@@ -103,16 +103,18 @@ def test_frame_roundtrip_byte_by_byte_with_empty_and_big_segments() -> None:
     assert _as_bytes(got) == frames
 
 
-def test_big_frame_segments_are_writable_views_over_one_buffer() -> None:
+def test_big_frame_segments_arrive_writable_or_as_the_type_sent() -> None:
     big = random.Random(2).randbytes(BIG * 4)
-    data = _frame_bytes([b"env", big])
+    data = _frame_bytes([b"env", memoryview(big), big, bytearray(big)])
     dec = FrameDecoder(MAX)
     got = dec.feed(data[:100]) + dec.feed(data[100:])
     assert len(got) == 1
-    env, payload = got[0]
+    env, payload, as_bytes, as_bytearray = got[0]
     assert bytes(env) == b"env" and bytes(payload) == big
     arr = np.frombuffer(payload, dtype=np.uint8)
-    assert arr.flags.writeable
+    assert arr.flags.writeable  # a buffer (tensor, array) arrives in memory torch/numpy can own
+    assert type(as_bytes) is bytes and as_bytes == big and hash(as_bytes) == hash(big)
+    assert type(as_bytearray) is bytearray and as_bytearray == big
 
 
 def test_frame_with_many_segments() -> None:

@@ -1,9 +1,18 @@
 """Serialisation: pickle protocol 5 with out-of-band buffers, cloudpickle for code.
 
 ``dumps(obj)`` returns a list of segments: the pickle stream first, then every
-large buffer (numpy arrays, torch tensors, ``pickle.PickleBuffer``) as its own
+large buffer (numpy arrays, torch tensors, ``pickle.PickleBuffer``,
+``memoryview``, and ``bytes``/``bytearray`` of 64 KiB or more) as its own
 segment, referenced, not copied. ``loads(segments)`` reverses it; buffers that
-arrive as writable memoryviews become the arrays' memory directly.
+arrive as writable memoryviews become the arrays' memory directly, and a
+``bytes``/``bytearray`` segment received as that type (see _buffers.py) is the
+value itself.
+
+The C pickler writes ``bytes`` and ``bytearray`` inline before it consults any
+hook, so large ones are found before pickling: as the value itself or inside
+tuples, lists and dicts up to ``_WALK_DEPTH`` deep (looking at no more than
+``_WALK_ITEMS`` items in all). Deeper, or inside other objects, they travel inline
+(one copy on each side), as before.
 
 Why two picklers: plain ``pickle`` is several times faster than cloudpickle for
 the small messages that dominate traffic, but pickles classes and functions by
@@ -32,8 +41,13 @@ from ._frames import Segment
 __all__ = ["dumps", "loads", "SerializationError"]
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+_ATOMS = frozenset({int, float, str, bool, type(None)})
 # Buffers below this are cheaper inline than as a separate segment.
 _OOB_MIN_BYTES = 4096
+# bytes/bytearray from this size travel as segments of their own (received in place).
+_OOB_BYTES_MIN = 64 * 1024
+_WALK_DEPTH = 3
+_WALK_ITEMS = 4096
 
 
 class SerializationError(TypeError):
@@ -43,21 +57,103 @@ class SerializationError(TypeError):
 def _is_simple(obj: Any, depth: int = 2) -> bool:
     """Builtin scalars in (nested, up to ``depth``) tuples, lists and dicts."""
     t = type(obj)
-    if t in _SCALARS:
+    if t in _ATOMS:
         return True
+    if t is bytes:
+        return len(obj) < _OOB_BYTES_MIN  # a large one goes out of band: not simple
     if depth == 0:
         return False
     if t is tuple or t is list:
         for x in obj:
-            if type(x) not in _SCALARS and not _is_simple(x, depth - 1):
+            if type(x) not in _ATOMS and not _is_simple(x, depth - 1):
                 return False
         return True
     if t is dict:
         for k, v in obj.items():
-            if type(k) not in _SCALARS or (type(v) not in _SCALARS and not _is_simple(v, depth - 1)):
+            if type(k) not in _SCALARS or (type(v) not in _ATOMS and not _is_simple(v, depth - 1)):
                 return False
         return True
     return False
+
+
+class _Bytes:
+    """Stands in for a large ``bytes``/``bytearray`` while pickling: sends it as a segment."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: bytes | bytearray) -> None:
+        self.value = value
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+        rebuild = _as_bytes if type(self.value) is bytes else _as_bytearray
+        return (rebuild, (pickle.PickleBuffer(self.value),))
+
+
+def _as_bytes(buf: Any) -> bytes:
+    # Received as a bytes segment: the value itself. Otherwise (shared memory, a relay) one copy.
+    return buf if type(buf) is bytes else bytes(buf)
+
+
+def _as_bytearray(buf: Any) -> bytearray:
+    return buf if type(buf) is bytearray else bytearray(buf)
+
+
+def _as_view(buf: Any, fmt: str, shape: tuple[int, ...] | None, writable: bool = False) -> memoryview:
+    mv = memoryview(buf)
+    if writable and mv.readonly:  # a small frame's copy (bytes): writable as it was sent
+        mv = memoryview(bytearray(mv))
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if shape is None or (fmt == "B" and len(shape) == 1) or not mv.nbytes:
+        return mv  # an empty view cannot be cast: it arrives as bytes
+    return mv.cast(fmt, shape)
+
+
+def _reduce_view(mv: memoryview) -> tuple[Any, ...]:
+    if mv.nbytes >= _OOB_MIN_BYTES and mv.c_contiguous:
+        shape = None if mv.format == "B" and mv.ndim == 1 else tuple(mv.shape)
+        return (_as_view, (pickle.PickleBuffer(mv), mv.format, shape, not mv.readonly))
+    data = bytearray(mv.tobytes()) if not mv.readonly else mv.tobytes()
+    return (_as_view, (data, mv.format, tuple(mv.shape), not mv.readonly))
+
+
+class _Walk:
+    """One search for large bytes/bytearray in a value: a memo (one wrapper per object,
+    so one that appears twice is sent once, as pickle would) and a budget of visits."""
+
+    __slots__ = ("memo", "budget")
+
+    def __init__(self) -> None:
+        self.memo: dict[int, _Bytes] = {}
+        self.budget = _WALK_ITEMS
+
+    def wrap(self, obj: Any, depth: int = _WALK_DEPTH) -> Any:
+        """``obj`` with each large bytes/bytearray in it (see module docstring) wrapped in :class:`_Bytes`."""
+        t = type(obj)
+        if t is bytes or t is bytearray:
+            if len(obj) < _OOB_BYTES_MIN:
+                return obj
+            wrapper = self.memo.get(id(obj))
+            if wrapper is None:
+                wrapper = self.memo[id(obj)] = _Bytes(obj)
+            return wrapper
+        if depth == 0 or self.budget <= 0:
+            return obj
+        if t is tuple or t is list:
+            self.budget -= len(obj)
+            if self.budget < 0:
+                return obj
+            items = [self.wrap(x, depth - 1) for x in obj]
+            if any(a is not b for a, b in zip(items, obj)):
+                return tuple(items) if t is tuple else items
+        elif t is dict:
+            self.budget -= len(obj)
+            if self.budget < 0:
+                return obj
+            values = {k: self.wrap(v, depth - 1) for k, v in obj.items()}
+            if any(values[k] is not v for k, v in obj.items()):
+                return values
+        return obj
 
 
 def _rebuild_tensor(buf: Any, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, param: bool) -> Any:
@@ -116,6 +212,8 @@ def _reduce_tensor(t: Any) -> tuple[Any, ...]:
 
 
 _torch_pickler: type | None = None
+_plain_pickler = type("_Pickler", (cloudpickle.Pickler,),
+                      {"dispatch_table": ChainMap({memoryview: _reduce_view}, cloudpickle.Pickler.dispatch_table)})
 
 
 def _pickler_class() -> type:
@@ -127,9 +225,9 @@ def _pickler_class() -> type:
     global _torch_pickler
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "nn"):
-        return cloudpickle.Pickler
+        return _plain_pickler
     if _torch_pickler is None:
-        table = {torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor}
+        table = {torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor, memoryview: _reduce_view}
         _torch_pickler = type(
             "_TensorPickler",
             (cloudpickle.Pickler,),
@@ -144,30 +242,36 @@ def dumps(obj: Any, *, out_of_band: bool = True) -> list[Segment]:
     With ``out_of_band=False`` everything is in the one stream segment.
     Raises SerializationError (a TypeError) naming what could not be pickled.
     """
-    buffers: list[pickle.PickleBuffer] = []
+    segments: list[Segment] = []
 
     def keep(buf: pickle.PickleBuffer) -> bool:
         raw = buf.raw()
         if not out_of_band or raw.nbytes < _OOB_MIN_BYTES:
             return True  # serialise in-band
-        buffers.append(buf)
+        owner = raw.obj
+        # bytes/bytearray go as themselves: the receiver allocates that type (see _buffers.py)
+        whole = (type(owner) is bytes or type(owner) is bytearray) and len(owner) == raw.nbytes
+        segments.append(owner if whole else raw)
         return False
 
     try:
         if _is_simple(obj):
-            stream = pickle.dumps(obj, protocol=5)
-        else:
-            f = io.BytesIO()
-            _pickler_class()(f, protocol=5, buffer_callback=keep).dump(obj)
-            stream = f.getbuffer()
+            return [pickle.dumps(obj, protocol=5)]
+        if out_of_band:
+            obj = _Walk().wrap(obj)
+        f = io.BytesIO()
+        _pickler_class()(f, protocol=5, buffer_callback=keep).dump(obj)
+        stream = f.getbuffer()
     except Exception as exc:
         raise SerializationError(f"cannot pickle {type(obj).__name__} value for sending: {exc}") from exc
-    segments: list[Segment] = [stream]
-    for b in buffers:
-        segments.append(b.raw())
-    return segments
+    return [stream, *segments]
 
 
 def loads(segments: Sequence[Segment]) -> Any:
     """Unpickle segments made by :func:`dumps` (buffers are used in place)."""
-    return pickle.loads(segments[0], buffers=segments[1:])
+    if len(segments) == 1:
+        return pickle.loads(segments[0])
+    # A small frame's buffers arrive as bytes copies; arrays and views must be writable as sent.
+    # (Large bytes values, the only bytes meant to stay bytes, are never this small.)
+    buffers = [bytearray(b) if type(b) is bytes and len(b) < _OOB_BYTES_MIN else b for b in segments[1:]]
+    return pickle.loads(segments[0], buffers=buffers)

@@ -9,36 +9,55 @@ A frame is a list of *segments* (byte strings). On the wire::
 ``body_len`` counts everything after the 12-byte prefix, so a reader can reject
 an oversized frame after 12 bytes, before allocating anything. Segment 0 is by
 convention the envelope, the others pickle-5 out-of-band buffers, but this
-module does not care. One flag exists: ``FLAG_SHM`` marks a frame whose first
-segment is a shared-memory manifest (see _shm.py); such frames decode as
-:class:`ShmFrame` lists. Unknown flags are a protocol error.
+module does not care. The top byte of each segment length is the segment's
+*kind* (see _buffers.py): what object a large segment is received into.
+
+Flags:
+
+- ``FLAG_SHM``: the first segment is a shared-memory manifest (see _shm.py);
+  such frames decode as :class:`ShmFrame` lists.
+- ``FLAG_CHUNKED``: the body is only the segment table; the segments' bytes
+  follow in ``FLAG_CHUNK`` frames, which may have whole other frames between
+  them. So a large message does not hold up small ones on the same stream. At
+  most one chunked frame is in progress per stream; it is complete (and
+  delivered) when its last chunk has arrived.
+- ``FLAG_CHUNK``: ``nseg`` is 0 and the body is the next bytes of the chunked
+  frame in progress.
+
+Any other flag, a chunk with no chunked frame in progress or longer than what
+that frame still lacks, a second chunked frame while one is in progress, an
+unknown kind, lengths that do not add up: each is a protocol error.
 
 The decoder is written for asyncio's ``BufferedProtocol``: the event loop asks
 ``get_buffer()`` for memory and reports with ``buffer_updated(n)``. Small frames
-share one reusable receive buffer and are copied out (cheap). A frame whose data
-is large gets a buffer of its own, handed straight to the kernel, so large
-payloads land in their final place without a copy: the segments of such a frame
-are memoryviews over that private buffer (writable, so numpy/torch can wrap them).
+share one reusable receive buffer and are copied out (cheap). The segments of a
+frame with 64 KiB of data or more are each allocated once, at their final size
+and kind, and the socket writes straight into them: a ``bytes`` argument
+arrives in its ``bytes`` object, a tensor's buffer in memory torch wraps as it
+is (writable memoryviews).
 
 Any violation raises :class:`ProtocolError`; the decoder is then unusable, and the
 caller closes the connection.
 
-Running out of memory is not a violation: when the private buffer of a large
-frame cannot be allocated, the decoder keeps the envelope (segment 0, already
-received), discards the rest of the frame's bytes as they come and then yields
-a :class:`LostFrame` holding just the envelope, so the layer above can fail
-that one message while the stream goes on.
+Running out of memory is not a violation: when the segments of a large frame
+cannot be allocated, the decoder keeps the envelope (segment 0, when small),
+discards the rest of the frame's bytes as they come and then yields a
+:class:`LostFrame` holding just the envelope, so the layer above can fail that
+one message while the stream goes on.
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
-from collections.abc import Sequence
-from typing import Union
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
 
 from ..errors import ProtocolError
+from ._buffers import KINDS, alloc_segment, kind_of
 
-__all__ = ["FrameDecoder", "encode_frame", "Segment", "PREFIX_BYTES", "FLAG_SHM", "ShmFrame", "LostFrame"]
+__all__ = ["FrameDecoder", "encode_frame", "encode_chunked", "chunk_header", "Segment", "PREFIX_BYTES", "FLAG_SHM",
+           "FLAG_CHUNKED", "FLAG_CHUNK", "ShmFrame", "LostFrame", "BIG_BYTES", "seg_nbytes"]
 
 Segment = Union[bytes, bytearray, memoryview]
 
@@ -48,9 +67,14 @@ PREFIX_BYTES = _PREFIX.size
 # Keeps the segment-length table of any frame inside the shared buffer.
 _MAX_SEGMENTS = 4096
 _RECV_BYTES = 256 * 1024
-# Frames with more data than this get a private buffer (no copy on receive).
-_BIG_BYTES = 64 * 1024
+# Frames with more data than this get segments of their own (no copy on receive).
+_BIG_BYTES = BIG_BYTES = 64 * 1024
+_LEN_MASK = (1 << 56) - 1
 FLAG_SHM = 1
+FLAG_CHUNKED = 2
+FLAG_CHUNK = 4
+_FRAME_FLAGS = (0, FLAG_SHM, FLAG_CHUNKED)
+_NO_KINDS = itertools.repeat(0)
 
 
 class ShmFrame(list):  # type: ignore[type-arg]
@@ -69,9 +93,20 @@ class LostFrame(list):  # type: ignore[type-arg]
         self.error = error
 
 
-def _alloc(nbytes: int) -> bytearray:
-    """The private receive buffer of a large frame (a seam for memory-pressure tests)."""
-    return bytearray(nbytes)
+# The seam for memory-pressure tests: (nbytes, kind) -> (object handed out, writable view).
+_alloc = alloc_segment
+
+
+def seg_nbytes(part: Any) -> int:
+    """Length in bytes of a segment (bytes, bytearray or any buffer)."""
+    return len(part) if type(part) is bytes else memoryview(part).nbytes
+
+
+def _table(segments: Sequence[Segment]) -> tuple[list[int], bytes]:
+    """Segment lengths, and the table to send: kinds marked where the receiver uses them (large frames)."""
+    lens = [seg_nbytes(s) for s in segments]
+    words = [n | kind_of(s) << 56 for n, s in zip(lens, segments)] if sum(lens) >= _BIG_BYTES else lens
+    return lens, struct.pack(f"<{len(lens)}Q", *words)
 
 
 def encode_frame(segments: Sequence[Segment], flags: int = 0) -> list[Segment]:
@@ -85,12 +120,74 @@ def encode_frame(segments: Sequence[Segment], flags: int = 0) -> list[Segment]:
         a, b = segments
         la = len(a) if type(a) is bytes else memoryview(a).nbytes
         lb = len(b) if type(b) is bytes else memoryview(b).nbytes
-        return [_TWO.pack(16 + la + lb, 2, la, lb), a, b]
+        if la + lb < _BIG_BYTES:
+            return [_TWO.pack(16 + la + lb, 2, la, lb), a, b]
     if n > _MAX_SEGMENTS:
         raise ValueError(f"a frame holds at most {_MAX_SEGMENTS} segments, got {n}")
-    lens = [len(s) if type(s) is bytes else memoryview(s).nbytes for s in segments]
-    header = _PREFIX.pack(8 * n + sum(lens), n | flags << 16) + struct.pack(f"<{n}Q", *lens)
-    return [header, *segments]
+    lens, table = _table(segments)
+    return [_PREFIX.pack(8 * n + sum(lens), n | flags << 16) + table, *segments]
+
+
+def encode_chunked(segments: Sequence[Segment]) -> tuple[bytes, int]:
+    """The header of a chunked frame and how many data bytes its chunks must carry."""
+    n = len(segments)
+    if n > _MAX_SEGMENTS:
+        raise ValueError(f"a frame holds at most {_MAX_SEGMENTS} segments, got {n}")
+    lens, table = _table(segments)
+    return _PREFIX.pack(8 * n, n | FLAG_CHUNKED << 16) + table, sum(lens)
+
+
+def chunk_header(nbytes: int) -> bytes:
+    """The prefix of a chunk carrying the next ``nbytes`` of the chunked frame in progress."""
+    return _PREFIX.pack(nbytes, FLAG_CHUNK << 16)
+
+
+class _Assembly:
+    """The segments of one large frame being filled in wire order."""
+
+    __slots__ = ("objs", "views", "flags", "remaining", "_i", "_off", "error", "_scratch")
+
+    def __init__(self, objs: list[Any], views: list[memoryview | None], flags: int, total: int,
+                 error: BaseException | None = None, scratch: memoryview | None = None) -> None:
+        self.objs, self.views, self.flags, self.remaining = objs, views, flags, total
+        self._i = self._off = 0
+        self.error = error  # set: a lost frame, only the envelope is kept
+        self._scratch = scratch
+
+    def space(self, limit: int) -> memoryview:
+        """Writable memory for the next at most ``limit`` bytes (within one segment)."""
+        views = self.views
+        while True:
+            view = views[self._i]
+            size = len(view) if view is not None else self.objs[self._i]
+            if self._off < size:
+                break
+            self._i += 1
+            self._off = 0
+        n = min(limit, size - self._off)
+        if view is None:  # discarded: any scratch memory will do
+            assert self._scratch is not None
+            return self._scratch[: min(n, len(self._scratch))]
+        return view[self._off : self._off + n]
+
+    def advance(self, n: int) -> None:
+        self._off += n
+        self.remaining -= n
+
+    def copy_in(self, data: memoryview) -> None:
+        pos, total = 0, len(data)
+        while pos < total:
+            dst = self.space(total - pos)
+            k = len(dst)
+            dst[:] = data[pos : pos + k]
+            self.advance(k)
+            pos += k
+
+    def frame(self) -> list[Segment]:
+        if self.error is not None:
+            env = self.views[0]
+            return LostFrame([env if env is not None else b""], self.error)
+        return ShmFrame(self.objs) if self.flags else self.objs
 
 
 class FrameDecoder:
@@ -108,23 +205,17 @@ class FrameDecoder:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
-        # A large frame in progress: its private buffer, bytes filled, segment lengths.
-        self._big: bytearray | None = None
-        self._big_view: memoryview | None = None
-        self._big_filled = 0
-        self._big_lens: tuple[int, ...] = ()
-        self._big_flags = 0
-        # A large frame being discarded (its buffer could not be allocated).
-        self._skip = 0
-        self._lost: LostFrame | None = None
+        # Bytes the stream owes straight to ``_target`` (a large frame's memory) before anything else.
+        self._target: _Assembly | None = None
+        self._inflow = 0
+        self._chunked: _Assembly | None = None  # the chunked frame in progress
         self._broken = False
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Writable memory for the next bytes from the stream (never empty)."""
-        if self._big_view is not None:
-            return self._big_view[self._big_filled :]
-        if self._skip:
-            return self._view[: min(len(self._buf), self._skip)]
+        if self._inflow:
+            assert self._target is not None
+            return self._target.space(self._inflow)
         if self._start == self._end:
             self._start = self._end = 0
         elif len(self._buf) - self._end < _BIG_BYTES:
@@ -138,19 +229,17 @@ class FrameDecoder:
         """Account for ``nbytes`` written into the last buffer; return complete frames."""
         if self._broken:
             raise ProtocolError("frame decoder used after a protocol error")
-        if self._big is not None:
-            self._big_filled += nbytes
-            if self._big_filled < len(self._big):
+        if self._inflow:
+            asm = self._target
+            assert asm is not None
+            asm.advance(nbytes)
+            self._inflow -= nbytes
+            if self._inflow or asm.remaining:
                 return []
-            frame = self._split_big()
-            return [frame]
-        if self._skip:
-            self._skip -= nbytes
-            if self._skip:
-                return []
-            lost, self._lost = self._lost, None
-            assert lost is not None
-            return [lost]
+            self._target = None
+            if asm is self._chunked:
+                self._chunked = None
+            return [asm.frame()]
         self._end += nbytes
         try:
             return self._parse()
@@ -170,18 +259,6 @@ class FrameDecoder:
             frames.extend(self.buffer_updated(n))
         return frames
 
-    def _split_big(self) -> list[Segment]:
-        view = self._big_view
-        assert view is not None
-        segments: list[Segment] = []
-        pos = 0
-        for length in self._big_lens:
-            segments.append(view[pos : pos + length])
-            pos += length
-        self._big = self._big_view = None
-        self._big_filled = 0
-        return ShmFrame(segments) if self._big_flags else segments
-
     def _parse(self) -> list[list[Segment]]:
         frames: list[list[Segment]] = []
         buf, view = self._buf, self._view
@@ -189,59 +266,108 @@ class FrameDecoder:
             start, avail = self._start, self._end - self._start
             if avail < PREFIX_BYTES:
                 break
-            body_len, nseg = _PREFIX.unpack_from(buf, start)
-            flags = nseg >> 16
-            if flags:
-                if flags != FLAG_SHM:
-                    raise ProtocolError(f"frame has unknown flags {flags:#x}")
-                nseg &= 0xFFFF
+            body_len, word = _PREFIX.unpack_from(buf, start)
+            nseg, flags = word & 0xFFFF, word >> 16
+            if flags == FLAG_CHUNK:
+                if not self._chunk(body_len, nseg, frames):
+                    break
+                continue
+            if flags not in _FRAME_FLAGS:
+                raise ProtocolError(f"frame has unknown flags {flags:#x}")
             if nseg > _MAX_SEGMENTS:
                 raise ProtocolError(f"frame declares {nseg} segments (limit {_MAX_SEGMENTS})")
+            table = 8 * nseg
             if body_len > self._max:
                 raise ProtocolError(f"frame of {body_len} bytes exceeds codec_max_frame_length={self._max}")
-            table = 8 * nseg
-            if body_len < table:
-                raise ProtocolError("frame body shorter than its segment table")
+            if body_len < table or (flags == FLAG_CHUNKED and body_len != table):
+                raise ProtocolError("frame body does not match its segment table")
             if avail < PREFIX_BYTES + table:
                 break
             lens = struct.unpack_from(f"<{nseg}Q", buf, start + PREFIX_BYTES)
-            data_len = body_len - table
-            if sum(lens) != data_len:
-                raise ProtocolError("frame segment lengths do not add up to its body length")
+            data_len = sum(lens)
+            kinds = _NO_KINDS
+            if data_len > _LEN_MASK:  # kinds in the top bytes (only large frames carry them)
+                kinds = [w >> 56 for w in lens]
+                lens = tuple(w & _LEN_MASK for w in lens)
+                data_len = sum(lens)
+                if any(k not in KINDS for k in kinds):
+                    raise ProtocolError(f"frame has a segment of unknown kind {max(kinds)}")
             data_start = start + PREFIX_BYTES + table
-            if avail >= PREFIX_BYTES + body_len:
-                segments: list[Segment] = []
-                pos = data_start
-                for length in lens:
-                    segments.append(bytes(view[pos : pos + length]))
-                    pos += length
-                self._start = pos
-                frames.append(ShmFrame(segments) if flags else segments)
+            if flags == FLAG_CHUNKED:
+                if self._chunked is not None:
+                    raise ProtocolError("a chunked frame started while another is in progress")
+                if not 0 < data_len <= self._max:
+                    raise ProtocolError(f"chunked frame of {data_len} bytes (limit codec_max_frame_length={self._max})")
+                self._chunked = self._assemble(lens, kinds, 0)
+                self._start = data_start
                 continue
+            if data_len != body_len - table:
+                raise ProtocolError("frame segment lengths do not add up to its body length")
+            complete = avail >= PREFIX_BYTES + body_len
             if data_len >= _BIG_BYTES:
-                # Receive the rest of this frame straight into its own buffer.
-                have = self._end - data_start
-                try:
-                    big = _alloc(data_len)
-                except MemoryError:
-                    if flags or not lens or lens[0] > have:
-                        raise  # nothing to tell the sender with: the connection goes
-                    self._discard(bytes(view[data_start : data_start + lens[0]]), data_len, have)
-                    break
-                big[:have] = view[data_start : self._end]
-                self._big, self._big_view = big, memoryview(big)
-                self._big_filled, self._big_lens, self._big_flags = have, lens, flags
-                self._start = self._end = 0
-            break
+                # Segments of their own, of the kind sent; the rest of the frame comes straight into them.
+                have = view[data_start : min(self._end, data_start + data_len)]
+                asm = self._assemble(lens, kinds, flags)
+                asm.copy_in(have)
+                self._start = data_start + len(have)
+                if complete:
+                    frames.append(asm.frame())
+                    continue
+                self._target, self._inflow = asm, asm.remaining
+                break
+            if not complete:
+                break
+            segments: list[Segment] = []
+            pos = data_start
+            for length in lens:
+                segments.append(bytes(view[pos : pos + length]))
+                pos += length
+            self._start = pos
+            frames.append(ShmFrame(segments) if flags else segments)
         if self._start == self._end:
             self._start = self._end = 0
         return frames
 
-    def _discard(self, envelope: bytes, data_len: int, have: int) -> None:
-        """Drop the rest of a frame we have no memory for; keep its envelope."""
-        error = MemoryError(f"ran out of memory while receiving a {data_len}-byte message: "
+    def _chunk(self, body_len: int, nseg: int, frames: list[list[Segment]]) -> bool:
+        """Take a chunk whose prefix is at ``_start``; False when the rest is to come from the stream."""
+        asm = self._chunked
+        if nseg:
+            raise ProtocolError("a chunk frame declares segments")
+        if asm is None:
+            raise ProtocolError("a chunk arrived with no chunked frame in progress")
+        if not 0 < body_len <= asm.remaining:
+            raise ProtocolError(f"a chunk of {body_len} bytes for a frame that lacks {asm.remaining}")
+        data_start = self._start + PREFIX_BYTES
+        have = min(self._end - data_start, body_len)
+        asm.copy_in(self._view[data_start : data_start + have])
+        self._start = data_start + have
+        if have < body_len:
+            self._target, self._inflow = asm, body_len - have
+            return False
+        if not asm.remaining:
+            self._chunked = None
+            frames.append(asm.frame())
+        return True
+
+    def _assemble(self, lens: Sequence[int], kinds: Iterable[int], flags: int) -> _Assembly:
+        """Memory for a large frame's segments; a lost frame's envelope only, when there is none."""
+        total = sum(lens)
+        objs: list[Any] = []
+        views: list[memoryview | None] = []
+        try:
+            for n, kind in zip(lens, kinds):
+                obj, mv = _alloc(n, kind)
+                objs.append(obj)
+                views.append(mv)
+            return _Assembly(objs, views, flags, total)
+        except MemoryError:
+            del objs, views
+            if flags or not lens or lens[0] >= _BIG_BYTES:
+                raise  # nothing to tell the sender with: the connection goes
+        error = MemoryError(f"ran out of memory while receiving a {total}-byte message: "
                             "free memory in this process or send smaller arguments")
         error.resource = "memory"  # type: ignore[attr-defined]
-        self._lost = LostFrame([envelope], error)
-        self._skip = data_len - have
-        self._start = self._end = 0
+        # A discarded segment is recorded by its length (no view): its bytes go to scratch memory.
+        envelope = memoryview(bytearray(lens[0]))
+        return _Assembly([envelope, *lens[1:]], [envelope, *[None] * (len(lens) - 1)], flags, total, error,
+                         memoryview(bytearray(_BIG_BYTES)))

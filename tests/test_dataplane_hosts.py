@@ -1,0 +1,182 @@
+"""The data plane across hosts: a host agent in a network namespace of its own, the
+controller (a script in its own process, printing one RESULT line per phase) on
+the other side of a bridge, so every byte crosses TCP between two network stacks.
+Skipped with the reason where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Bridged, bridged_namespaces
+
+_COMMON = textwrap.dedent(
+    """
+    import json, os, socket, struct, subprocess, sys, time, zlib
+    import numpy as np, torch
+    from actormesh import config
+    NET = sys.argv[2]
+    config.configure(default_transport="tcp", bind_host=f"{NET}.1")
+    from actormesh.actor import Actor, endpoint
+    from actormesh.mesh import HostMesh
+    from actormesh.runtime import current_runtime
+
+    torch.set_num_threads(1)
+
+    def crc(value):
+        if isinstance(value, torch.Tensor):
+            value = value.numpy()
+        return zlib.crc32(memoryview(value).cast("B")) if len(memoryview(value).cast("B")) else 0
+
+    class Sink(Actor):
+        @endpoint
+        def check(self, value):
+            view = memoryview(value.numpy() if isinstance(value, torch.Tensor) else value)
+            return type(value).__name__, view.nbytes, crc(value), view.readonly
+
+        @endpoint
+        def echo(self, value):
+            return value
+
+        @endpoint
+        def pid(self):
+            return os.getpid()
+
+    def emit(phase, **kw):
+        print("RESULT " + json.dumps({"phase": phase, **kw}), flush=True)
+
+    def pattern(n, seed):
+        import random
+        block = random.Random(seed).randbytes(min(n, 65521) or 1)
+        return (block * (n // len(block) + 1))[:n]
+
+    rt = current_runtime()
+    secret = os.path.join(rt.job_dir, "secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, rt.secret.hex().encode()); os.close(fd)
+    ns = sys.argv[1]
+    agent = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "actormesh.host", "--address",
+                              f"tcp:{NET}.11:0", "--secret-file", secret, "--print-address"], stdout=subprocess.PIPE, text=True)
+    hosts = HostMesh(agents=[agent.stdout.readline().strip()])
+    """
+)
+
+_SIZES = _COMMON + textwrap.dedent(
+    """
+    KiB, MiB = 1 << 10, 1 << 20
+    sizes = sorted({0, 1, *(t + d for t in (4 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB) for d in (-1, 0, 1))})
+    try:
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        sink = procs.spawn("sink", Sink)
+        bad = []
+        for n in sizes:
+            data = pattern(n, n)
+            values = {"bytes": data, "bytearray": bytearray(data), "memoryview": memoryview(bytearray(data)),
+                      "ndarray": np.frombuffer(data, dtype=np.uint8).copy(),
+                      "Tensor": torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)}
+            want = zlib.crc32(data)
+            for name, value in values.items():
+                got = sink.check.call_one(value).get(timeout=60)
+                if list(got[:3]) != [name, n, want] or (n and name != "bytes" and got[3]):
+                    bad.append(["there", n, name, got])
+                back = sink.echo.call_one(value).get(timeout=60)
+                if type(back).__name__ != name or crc(back) != want:
+                    bad.append(["back", n, name, type(back).__name__])
+        emit("sizes", bad=bad, count=len(sizes))
+
+        # A hostile (but authenticated) peer announces a chunk for no frame: only its connection goes.
+        from actormesh.transport import HANDSHAKE_BYTES, Handshake
+        host, port = procs._addresses[0][len("tcp:"):].rsplit(":", 1)
+        closed = {}
+        for name, bogus in (("chunk without a frame", struct.pack("<QI", 100, 4 << 16) + bytes(100)),
+                            ("segment of unknown kind", struct.pack("<QIQ", 8 + 70000, 1, 70000 | 9 << 56) + bytes(70000))):
+            me = Handshake(rt.secret, dialer=True)
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as s:
+                s.sendall(me.start())
+                while not me.done:
+                    chunk = s.recv(HANDSHAKE_BYTES)
+                    assert chunk, "closed during an authentic handshake"
+                    reply = me.receive(chunk)
+                    if reply:
+                        s.sendall(reply)
+                s.sendall(bogus)
+                try:
+                    closed[name] = s.recv(4096) == b""
+                except ConnectionResetError:
+                    closed[name] = True
+            closed[name + ": still served"] = sink.check.call_one(b"still").get(timeout=30)[2] == zlib.crc32(b"still")
+        emit("hostile", closed=closed)
+        procs.stop().get(timeout=60)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    """
+)
+
+_GIB = _COMMON + textwrap.dedent(
+    """
+    try:
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        sink = procs.spawn("sink", Sink)
+        data = pattern(1 << 30, 7)
+        t0 = time.monotonic()
+        got = sink.check.call_one(data).get(timeout=120)
+        took = time.monotonic() - t0
+        emit("gib", ok=list(got[:3]) == ["bytes", 1 << 30, zlib.crc32(data)], took_s=took)
+        procs.stop().get(timeout=60)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    """
+)
+
+
+@pytest.fixture
+def one_host() -> Iterator[Bridged]:
+    """One host in a network namespace on a bridge (see conftest.bridged_namespaces)."""
+    with bridged_namespaces(1, "dp") as net:
+        yield net
+
+
+def _run(tmp_path: Path, script: str, net: Bridged, timeout: float) -> dict[str, Any]:
+    path = tmp_path / "controller.py"
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(path), net.namespaces[0], net.net], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+    phases = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            phases[r.pop("phase")] = r
+    assert proc.returncode == 0, f"controller failed ({proc.returncode}):\n{err[-4000:]}"
+    print(json.dumps(phases, indent=1))  # the figures, shown with -s or on failure
+    return phases
+
+
+@pytest.mark.timeout(90)
+def test_every_kind_crosses_hosts_intact_at_every_threshold_and_a_hostile_header_costs_one_connection(one_host, tmp_path):
+    phases = _run(tmp_path, _SIZES, one_host, timeout=80)
+    assert phases["sizes"]["bad"] == [] and phases["sizes"]["count"] == 17
+    assert phases["hostile"]["closed"] and all(phases["hostile"]["closed"].values()), phases["hostile"]
+
+
+@pytest.mark.timeout(90)
+def test_a_gibibyte_of_bytes_crosses_hosts_intact(one_host, tmp_path):
+    if os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") < 6 << 30:
+        pytest.skip("needs about 6 GiB of free memory (sender, receiver, checks)")
+    phases = _run(tmp_path, _GIB, one_host, timeout=80)
+    assert phases["gib"]["ok"], phases
