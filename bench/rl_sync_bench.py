@@ -6,9 +6,10 @@ A Llama of about 100M parameters (fp32; hidden 768, 12 layers, vocabulary
 trainer's current weights into both replicas (checked, staged, swapped
 between decode steps). Contenders, best of ``--rounds``, in one run:
 
-1. ``rdma``: ``publish_weights(trainer)`` (FSDP shards gathered by torch on the
-   trainer's first rank, left there in one RDMA buffer) and
-   ``update_weights(published)``: each replica reads the bytes directly;
+1. ``rdma``: ``publish_weights(trainer)`` (each trainer rank snapshots its FSDP
+   shards into one RDMA buffer; nothing is gathered) and
+   ``update_weights(published)``: each replica reads both ranks' bytes
+   directly and assembles the full tensors;
 2. ``controller``: ``gather_state_dict(trainer)`` into the controller, then
    ``update_weights(state_dict)``, which sends the tensors to each replica in
    ordinary messages;
@@ -83,7 +84,7 @@ def main() -> None:
         for version in range(args.rounds):
             t0 = time.perf_counter()
             published = publish_weights(trainer, version, timeout=600)
-            record("rdma: publish (gather shards, pack, register)", time.perf_counter() - t0)
+            record("rdma: publish (each rank snapshots its shards, registers)", time.perf_counter() - t0)
             t1 = time.perf_counter()
             to_all(published)
             record("rdma: replicas fetch, check, swap", time.perf_counter() - t1)

@@ -1,16 +1,19 @@
 """Weights published by a trainer's ranks as RDMA buffers, read by whoever needs them (generators).
 
 Why: pushing new weights to generator replicas through the controller copies
-every byte through it twice (pickled in, pickled out to each replica). Here
-each rank that holds the first copy of some full tensors (rank 0 of its
-pipeline stage: FSDP and TP shards are gathered there by torch's own
-``get_model_state_dict(full_state_dict=True)``) packs them into one flat
-buffer and registers it with :class:`actormesh.rdma.RDMABuffer`; only the
-small handles and the layout travel, as a :class:`PublishedWeights`, and each
-reader pulls the bytes straight from the trainer's memory (one kernel copy on
-one host, a bulk stream across hosts). A rank keeps its last two
-publications alive, so a reader that got the previous handle can still read
-it while the next one is being announced.
+every byte through it (gathered in, sent out to each replica). Here every
+trainer rank snapshots the pieces of the weights it holds (its FSDP and TP
+shards; a whole tensor where it is not sharded) into one flat buffer of its
+own and registers it with :class:`actormesh.rdma.RDMABuffer`: no gather, no
+communication between the ranks. Only the small handles and the layout (each
+piece's name, global shape and offset) travel, as a
+:class:`PublishedWeights`; a reader pulls every rank's buffer straight from
+its memory, all ranks at once (one kernel copy each on one host, a bulk
+stream across hosts), and assembles the full tensors. A piece held by
+several ranks (data-parallel replicas, replicated placements) is published
+by one of them only. A rank keeps its last two publications alive, so a
+reader that got the previous handle can still read it while the next one is
+being announced.
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ from typing import Any
 
 __all__ = ["PublishedWeights", "Publisher", "resolve_weights"]
 
-_ALIGN = 64  # each tensor starts on a multiple of this many bytes (any dtype can view it)
+_ALIGN = 64  # each piece starts on a multiple of this many bytes (any dtype can view it)
 
-Layout = list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, byte offset, nbytes
+#: name, dtype, global shape, this piece's shape, its offset in the global tensor, byte offset, nbytes
+Piece = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int]
+Layout = list[Piece]
 
 
 @dataclass(frozen=True)
 class PublishedWeights:
-    """Handles to a full model's weights in a trainer's memory: picklable, a few hundred bytes.
+    """Handles to a full model's weights in a trainer's memory: picklable, a few KiB.
 
-    ``fetch()`` reads every part and returns the state dict (views of one
-    buffer per part). ``nbytes`` is the total size.
+    ``fetch()`` reads every part and returns the full state dict. ``nbytes``
+    is the size of what a fetch reads.
     """
 
     version: int
@@ -41,46 +46,83 @@ class PublishedWeights:
     def nbytes(self) -> int:
         return sum(buf.size() for buf, _ in self.parts)
 
-    def fetch(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        """Read the weights here; RDMAError (OwnerGoneError, ...) if a publishing rank is gone."""
-        import torch
-
-        out: dict[str, Any] = {}
-        for buf, layout in self.parts:
-            local = torch.empty(buf.size(), dtype=torch.uint8)
-            buf.read_into(local, timeout=timeout_s).get(timeout=timeout_s + 5)
-            for name, dtype, shape, offset, nbytes in layout:
-                out[name] = local[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)
-        return out
-
     def keys(self) -> list[str]:
         """The weights' names (without reading them)."""
-        return [name for _, layout in self.parts for name, *_ in layout]
+        return sorted({piece[0] for _, layout in self.parts for piece in layout})
+
+    def fetch(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Read the weights here (every part at once); RDMAError (OwnerGoneError, ...) if a publishing rank is gone."""
+        import torch
+
+        locals_ = [torch.empty(buf.size(), dtype=torch.uint8) for buf, _ in self.parts]
+        reads = [buf.read_into(local, timeout=timeout_s) for (buf, _), local in zip(self.parts, locals_)]
+        for read in reads:
+            read.get(timeout=timeout_s + 5)
+        out: dict[str, Any] = {}
+        for (_, layout), local in zip(self.parts, locals_):
+            for name, dtype, shape, piece_shape, offset, start, nbytes in layout:
+                piece = local[start:start + nbytes].view(getattr(torch, dtype)).view(piece_shape)
+                if piece_shape == shape:  # a whole tensor: a view of the part, no copy
+                    out[name] = piece
+                    continue
+                full = out.get(name)
+                if full is None:
+                    full = out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                full[tuple(slice(o, o + n) for o, n in zip(offset, piece_shape))].copy_(piece)
+        return out
+
+
+def _pieces(state: dict[str, Any]) -> list[tuple[str, Any, tuple[int, ...], tuple[int, ...]]]:
+    """``(name, local tensor, global shape, global offset)`` of what this rank publishes (first holders only)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = []
+    for name, tensor in state.items():
+        if not isinstance(tensor, DTensor):
+            out.append((name, tensor, tuple(tensor.shape), (0,) * tensor.dim()))
+            continue
+        mesh, placements = tensor.device_mesh, tensor.placements
+        coords = mesh.get_coordinate() or []
+        # along a replicated mesh dimension every rank holds the same piece: the first one publishes it
+        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coords)):
+            continue
+        local = tensor.to_local()
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+        out.append((name, local, tuple(tensor.shape), tuple(offset)))
+    return out
 
 
 class Publisher:
-    """One rank's side: pack full tensors into a registered buffer; keeps the last two alive."""
+    """One rank's side: snapshot its pieces into a registered buffer; keeps the last two alive."""
 
     def __init__(self) -> None:
         self._kept: deque[Any] = deque(maxlen=2)
 
-    def publish(self, state: dict[str, Any]) -> tuple[Any, Layout] | None:
-        """Register ``state`` (full CPU tensors) as one buffer; its handle and layout (None if empty)."""
+    def publish(self, state: dict[str, Any], first_copy: bool = True) -> tuple[Any, Layout] | None:
+        """Register this rank's pieces of ``state`` (tensors or DTensors); the handle and layout, or None.
+
+        ``first_copy``: this rank holds the first copy of its plain
+        (not DTensor) tensors (e.g. data-parallel rank 0); others skip them.
+        """
         import torch
 
         from ..rdma import RDMABuffer
 
-        if not state:
+        from torch.distributed.tensor import DTensor
+
+        pieces = [p for p in _pieces(state) if first_copy or isinstance(state[p[0]], DTensor)]
+        if not pieces:
             return None
         layout: Layout = []
         offset = 0
-        for name, tensor in state.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            layout.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        for name, local, shape, global_offset in pieces:
+            nbytes = local.numel() * local.element_size()
+            layout.append((name, str(local.dtype).removeprefix("torch."), shape, tuple(local.shape), global_offset, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         flat = torch.empty(max(offset, 1), dtype=torch.uint8)
-        for (name, _, _, start, nbytes), tensor in zip(layout, state.values()):
-            flat[start:start + nbytes] = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        for (_, local, _, _), (*_, start, nbytes) in zip(pieces, layout):
+            flat[start:start + nbytes].copy_(local.detach().reshape(-1).cpu().view(torch.uint8))
         buffer = RDMABuffer(flat)
         self._kept.append((buffer, flat))  # the oldest kept one is dropped by the deque (its memory freed)
         return buffer, layout

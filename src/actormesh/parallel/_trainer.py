@@ -26,7 +26,7 @@ from ._train_checkpoint import load_checkpoint, model_shapes, save_checkpoint
 from ._plan import Plan, PlanError
 from ._publish import PublishedWeights
 from ._train_data import DataFactory, RankData
-from ._train_figures import StepFigures
+from ._train_figures import StepFigures, state_bytes
 from ._train_options import TrainOptions
 
 __all__ = ["Trainer", "spawn_trainer", "gather_state_dict", "publish_weights"]
@@ -284,12 +284,17 @@ class Trainer(Actor):
 
     @endpoint
     def publish_weights(self) -> Any:
-        """:meth:`state_dict`, registered as an RDMA buffer on the ranks that hold a first copy
-        (``(buffer, layout)``; the others return None): see :func:`publish_weights`."""
+        """This rank's pieces of the weights (its shards; plain tensors on data-parallel rank 0),
+        snapshot into one RDMA buffer: ``(buffer, layout)`` or None. See :func:`publish_weights`."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         from ._publish import Publisher
 
         publisher = self.__dict__.setdefault("_publisher", Publisher())
-        return publisher.publish(self.state_dict())
+        state: dict[str, Any] = {}
+        for chunk in self.chunks:  # the full model's names; DTensors stay sharded (nothing gathered)
+            state.update(get_model_state_dict(chunk, options=StateDictOptions(full_state_dict=False)))
+        return publisher.publish(state, first_copy=not (self.dp_rank or self.tp_rank))
 
     @endpoint
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -316,6 +321,7 @@ class Trainer(Actor):
             "stages": list(self.stage_ids) if self.schedule is not None else [],
             "wrappers": sorted({type(c).__name__ for c in self.chunks}),
             "local_params": sum(local_numel(p) for c in self.chunks for p in c.parameters()),
+            "state_bytes": state_bytes(self.chunks, self.optimizers),
         }
 
     def __cleanup__(self, exc: Exception | None) -> None:
@@ -401,9 +407,10 @@ def spawn_trainer(
 def publish_weights(trainer: ActorMesh[Trainer], version: int = 0, timeout: float = 300.0) -> PublishedWeights:
     """The full model's weights left in the trainer's memory as RDMA buffers, under any plan.
 
-    Returns a small :class:`PublishedWeights` (handles and layout) that can be
-    sent anywhere; its ``fetch()`` reads the bytes straight from the trainer's
-    ranks, so the controller never carries them.
+    Each rank snapshots the shards it holds (no gather). Returns a small
+    :class:`PublishedWeights` (handles and layout) that can be sent anywhere;
+    its ``fetch()`` reads the bytes straight from the trainer's ranks and
+    assembles the full tensors, so the controller never carries them.
     """
     parts = [p for p in trainer.publish_weights.call().get(timeout=timeout).values() if p is not None]
     return PublishedWeights(version, tuple(parts))
