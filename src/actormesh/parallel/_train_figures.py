@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["StepFigures", "gather_figures", "peak_memory_bytes", "reset_peak_memory", "measure_matmul_flops", "peak_flops"]
+__all__ = ["StepFigures", "gather_figures", "peak_memory_bytes", "reset_peak_memory", "measure_matmul_flops", "peak_flops", "state_bytes"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,21 @@ def peak_flops(given: float | str | None, device: Any, dtype_name: str | None) -
     mean = torch.tensor([measure_matmul_flops(device, dtype_name)], dtype=torch.float64)
     dist.all_reduce(mean)
     return float(mean) / dist.get_world_size()
+
+
+def state_bytes(chunks: Any, optimizers: Any) -> dict[str, int]:
+    """Bytes this rank holds in parameters, optimizer state and (during a step) gradients, from the tensors.
+
+    DTensors count their local shard. Gradients are freed after every step
+    (``zero_grad(set_to_none=True)``), so ``grads`` is what a step allocates
+    for them: one local tensor per parameter, in the parameter's dtype.
+    """
+    import torch
+
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = [local(p) for c in chunks for p in c.parameters()]
+    optim = [local(v) for opt in optimizers for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    param_bytes = sum(t.numel() * t.element_size() for t in params)
+    return {"params": param_bytes, "grads": param_bytes, "optimizer": sum(t.numel() * t.element_size() for t in optim)}
