@@ -161,3 +161,33 @@ def test_published_weights_are_read_from_the_trainer_under_fsdp(spawn_procs: Any
     assert all(torch.equal(fetched[k], full[k]) for k in full)
     total = sum(t.numel() * t.element_size() for t in full.values())
     assert total <= published.nbytes < total * 1.1 and all(buf.size() < 0.6 * total for buf, _ in published.parts)
+
+
+def trainer_pid(loop: GRPOLoop, rank: int) -> int:
+    infos = loop.trainer.info.call().get(timeout=60).values()
+    return next(i["pid"] for i in infos if i["rank"] == rank)
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_trainer_rank_stops_the_loop_or_is_recovered(tmp_path: Any) -> None:
+    import signal
+
+    from actormesh.errors import SupervisionError
+    from actormesh.parallel import Recovery
+
+    config = GRPOConfig(group_size=4, prompts_per_step=2, max_tokens=1)
+    common = dict(trainer_plan=Plan(dp=2), generator_replicas=1, max_slots=8, timeout_s=120)
+    with GRPOLoop(MODEL, letter_reward, prompts, config, partial(torch.optim.AdamW, lr=1e-2), **common) as loop:
+        loop.step()
+        os.kill(trainer_pid(loop, 1), signal.SIGKILL)
+        with pytest.raises(SupervisionError) as info:
+            loop.step()
+        assert info.value.rank == 1 or "rank 1" in str(info.value) or "1/2" in str(info.value), info.value
+    recovery = Recovery(str(tmp_path / "ckpt"), checkpoint_every=1, max_restarts=1)
+    with GRPOLoop(MODEL, letter_reward, prompts, config, partial(torch.optim.AdamW, lr=1e-2), trainer_recovery=recovery,
+                  **common) as loop:
+        loop.step()
+        os.kill(trainer_pid(loop, 1), signal.SIGKILL)
+        report = loop.step()  # returns normally, later: the trainer came back from its checkpoint
+        assert report.step == 2 and report.figures.recovery, report.figures
+        assert loop.step().step == 3 and loop.version == 3

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ..mesh import ProcMesh
-from ..parallel import Plan, gather_state_dict, spawn_trainer
+from ..mesh import ActorMesh, ProcMesh
+from ..parallel import (ElasticTrainer, Plan, Recovery, Trainer, gather_state_dict, spawn_elastic_trainer,
+                        spawn_trainer)
 from ..serve import LLMService, SamplingParams
 from ._buffer import ReplayBuffer
 from ._grpo import GRPOConfig, Sample, group_advantages, grpo_loss, pack_batch
@@ -75,7 +76,12 @@ class GRPOLoop:
     and logged once per kind of error). ``trainer_plan`` places the trainer
     (``Plan(dp=2)``, ``Plan(fsdp=2)``...), ``generator_plan`` each of
     ``generator_replicas`` replicas. Everything runs on ``host`` (default:
-    this host); :meth:`stop` (or leaving ``with``) frees every proc.
+    this host); :meth:`stop` (or leaving ``with``) frees every proc. A trainer
+    rank that dies stops the loop: the step raises its ``SupervisionError``
+    (naming the rank); with ``trainer_recovery`` (a
+    :class:`~actormesh.parallel.Recovery`: checkpoint directory and interval,
+    ``max_restarts``) the trainer comes back from its last checkpoint instead
+    and the step returns normally, later (``report.figures.recovery`` says so).
 
     Example::
 
@@ -88,7 +94,8 @@ class GRPOLoop:
     def __init__(self, model_fn: Callable[[], Any], reward_fn: Callable[[list[int], list[int]], float],
                  prompts: Callable[[int], Sequence[Sequence[int]]], config: GRPOConfig, optimizer_fn: Callable[[Any], Any],
                  *, trainer_plan: Plan | None = None, generator_plan: Plan | None = None, generator_replicas: int = 2,
-                 host: Any = None, seed: int = 0, max_slots: int = 32, timeout_s: float = 600.0) -> None:
+                 host: Any = None, seed: int = 0, max_slots: int = 32, trainer_recovery: Recovery | None = None,
+                 timeout_s: float = 600.0) -> None:
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
         if not callable(reward_fn) or not callable(prompts):
@@ -105,10 +112,16 @@ class GRPOLoop:
         self._closed = False
         self._async: _AsyncGeneration | None = None
         try:
-            self.trainer_procs = self._own(host.spawn_procs(per_host={"gpus": self.trainer_plan.world_size}))
             loss = partial(grpo_loss, clip_eps=config.clip_eps, kl_coef=config.kl_coef, norm=config.norm)
-            self.trainer = spawn_trainer(self.trainer_procs, model_fn, loss, optimizer_fn, self.trainer_plan, seed=seed,
-                                         name="grpo-trainer", timeout=timeout_s)
+            self._elastic: ElasticTrainer | None = None
+            if trainer_recovery is None:
+                procs = self._own(host.spawn_procs(per_host={"gpus": self.trainer_plan.world_size}))
+                self._trainer = spawn_trainer(procs, model_fn, loss, optimizer_fn, self.trainer_plan, seed=seed,
+                                              name="grpo-trainer", timeout=timeout_s)
+            else:
+                self._elastic = spawn_elastic_trainer(model_fn, loss, optimizer_fn, self.trainer_plan, recovery=trainer_recovery,
+                                                      hosts=host, seed=seed, timeout=timeout_s)
+                self._owned.append(self._elastic)
             initial = gather_state_dict(self.trainer, timeout=timeout_s)
             self.reference = None
             if config.kl_coef:
@@ -124,6 +137,17 @@ class GRPOLoop:
         except BaseException:
             self.stop()
             raise
+
+    @property
+    def trainer(self) -> ActorMesh[Trainer]:
+        """The trainer's actor mesh (with ``trainer_recovery``, the current one: a recovery makes a new one)."""
+        return self._elastic.mesh if self._elastic is not None else self._trainer
+
+    def _train(self, batch: tuple[Any, Any]) -> Any:
+        """One trainer step; its StepFigures. Without recovery a lost rank raises its SupervisionError."""
+        if self._elastic is not None:
+            return self._elastic.step_figures(batch, self.timeout_s)
+        return list(self._trainer.step_figures.call(batch).get(timeout=self.timeout_s).values())[0]
 
     def _own(self, procs: ProcMesh) -> ProcMesh:
         self._owned.append(procs)
@@ -153,7 +177,7 @@ class GRPOLoop:
         waited = time.perf_counter() - t0
         samples = [s for g in groups for s in g]
         inputs, targets = self._pack(samples)
-        figures = list(self.trainer.step_figures.call((inputs, targets)).get(timeout=self.timeout_s).values())[0]
+        figures = self._train((inputs, targets))
         self.steps += 1
         lag = self.version - min(s.version for s in samples)
         sync_s = 0.0
@@ -231,7 +255,7 @@ class GRPOLoop:
             self._async.close()
         for part in reversed(self._owned):
             try:
-                if isinstance(part, LLMService):
+                if isinstance(part, (LLMService, ElasticTrainer)):
                     part.stop()
                 else:
                     part.stop().get(timeout=60)
