@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import SupervisionError
 from ..mesh import ProcMesh
@@ -154,6 +154,7 @@ class ElasticTrainer:
         self.recoveries: list[str] = []
         self.last_checkpoint: str | None = None
         self._replay: list[Any] = []  # batches the controller sent since the last checkpoint
+        self._stopped = False
         self._build()
 
     # ----------------------------------------------------------------- public
@@ -179,7 +180,10 @@ class ElasticTrainer:
         return dataclasses.replace(figures, recovery="; ".join(notes) or None, restarts=self.restarts)
 
     def stop(self) -> None:
-        """Stop the trainer, its procs and the owner (each wait bounded)."""
+        """Stop the trainer, its procs and the owner (each wait bounded); a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         try:
             self._owner.stop_procs.call_one().get(timeout=STOP_TIMEOUT_S + 10)
         finally:
@@ -205,7 +209,7 @@ class ElasticTrainer:
         except Exception as exc:
             self._fail_stop(f"could not set up the trainer's procs: {type(exc).__name__}: {exc}", None, exc)
 
-    def _fail_stop(self, message: str, rank: int | None, exc: BaseException | None) -> None:
+    def _fail_stop(self, message: str, rank: int | None, exc: BaseException | None) -> NoReturn:
         """Stop everything, then raise TrainingFailed (never returns)."""
         try:
             self.stop()
@@ -274,7 +278,7 @@ class ElasticTrainer:
             self._judge(exc)
             raise  # unreachable: _judge raises
 
-    def _judge(self, exc: Exception) -> None:
+    def _judge(self, exc: Exception) -> NoReturn:
         """A rank's error: a lost proc seen late (-> _Lost) or the user's (-> stop, TrainingFailed)."""
         failure = self._failure_within(self.recovery.failure_grace_s)
         if failure is not None:
@@ -286,27 +290,40 @@ class ElasticTrainer:
                         f"{type(original).__name__}: {original}", rank, exc)
 
     def _recover(self, lost: _Lost, timeout_s: float) -> str:
-        """Replace the generation, restore, replay; a note of what was done. TrainingFailed past max_restarts."""
+        """Replace the generation, restore, replay (again if that loses a proc too); a note of what was done.
+
+        TrainingFailed past max_restarts, or when new procs cannot be set up.
+        """
         started = time.monotonic()
-        what = f"rank {lost.rank if lost.rank is not None else '?'} lost at step {self.steps + 1} ({lost.cause.strip().splitlines()[0] if lost.cause.strip() else 'unknown cause'})"
-        self.restarts += 1
-        if self.restarts > self.recovery.max_restarts:
-            self._fail_stop(f"training stopped: {what}, and all {self.recovery.max_restarts} restarts are used", lost.rank, lost)
-        log.warning("%s: replacing the procs (restart %d of %d)", what, self.restarts, self.recovery.max_restarts)
-        self._owner.stop_procs.call_one().get(timeout=STOP_TIMEOUT_S + 10)
-        self._build()
-        restored = 0
-        if self.last_checkpoint is not None:
-            restored = self._await(list(self.mesh.load.stream(self.last_checkpoint)), timeout_s, "restoring the checkpoint")
-        for i in range(restored, self.steps):  # the steps since the checkpoint, again (a _Lost here recovers again)
-            batch = self._replay[i - restored] if self._replay else None
-            self._attempt(batch, timeout_s)
+        while True:
+            cause = lost.cause.strip().splitlines()[0] if lost.cause.strip() else "unknown cause"
+            what = f"rank {lost.rank if lost.rank is not None else '?'} lost at step {self.steps + 1} ({cause})"
+            self.restarts += 1
+            if self.restarts > self.recovery.max_restarts:
+                self._fail_stop(f"training stopped: {what}, and all {self.recovery.max_restarts} restarts are used", lost.rank, lost)
+            log.warning("%s: replacing the procs (restart %d of %d)", what, self.restarts, self.recovery.max_restarts)
+            try:
+                restored = self._replace_and_restore(timeout_s)
+                break
+            except _Lost as again:
+                lost = again
         source = f"checkpoint {self.last_checkpoint} (disk)" if self.last_checkpoint else "the initial weights (no checkpoint yet)"
         note = (f"{what}; procs replaced, restored step {restored} from {source}, replayed {self.steps - restored} "
                 f"step(s), in {time.monotonic() - started:.1f}s (restart {self.restarts} of {self.recovery.max_restarts})")
         log.warning("%s", note)
         self.recoveries.append(note)
         return note
+
+    def _replace_and_restore(self, timeout_s: float) -> int:
+        """Stop this generation, build the next, load the last checkpoint, replay to ``self.steps``; the step restored."""
+        self._owner.stop_procs.call_one().get(timeout=STOP_TIMEOUT_S + 10)
+        self._build()
+        restored = 0
+        if self.last_checkpoint is not None:
+            restored = self._await(list(self.mesh.load.stream(self.last_checkpoint)), timeout_s, "restoring the checkpoint")
+        for i in range(restored, self.steps):
+            self._attempt(self._replay[i - restored] if self._replay else None, timeout_s)
+        return restored
 
     def _checkpoint(self, timeout_s: float) -> None:
         path = os.path.join(str(self.recovery.checkpoint_dir), f"step_{self.steps:08d}")
