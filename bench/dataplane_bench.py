@@ -12,8 +12,9 @@ are the figures: the machine is a shared 2-core box):
   that returns its argument (2 x 64 MiB moved per call), against ``socket_echo``:
   plain Python sockets (``sendall`` / ``recv_into`` a preallocated buffer)
   echoing the same bytes between the same two namespaces. Interleaved rounds.
-- ``noop_during``: noop ``call_one`` p50/p99 to the same proc while idle, and
-  while a background thread keeps sending large tensors to that proc.
+- ``noop_during``: noop ``call_one`` p50/p99 to an actor of the proc while idle,
+  and while a background thread keeps sending 1 GiB tensors (256 MiB with
+  ``--quick``) to another actor of that proc, over the same connection.
 - ``rdma``: ``RDMABuffer.read_into`` of a 256 MiB tensor owned by the remote
   proc against a plain-socket one-way transfer of the same bytes.
 
@@ -201,11 +202,13 @@ def run(quick: bool, here: str, there: str, ns: str, sections: tuple[str, ...] =
         procs = hosts.spawn_procs(per_host={"gpus": 1})
         actor = procs.spawn("dp", _actor_class())
         actor.noop.call_one().get(timeout=60)
+        control = procs.spawn("ctl", _actor_class())  # same proc, same connection, another actor
+        control.noop.call_one().get(timeout=60)
         plain = PlainSocket(ns, there, 256 * MiB)
         if "echo" in sections:
             out.update(_echo(actor, plain, quick))
         if "noop" in sections:
-            out.update(_noop_during(actor, quick))
+            out.update(_noop_during(actor, control, quick))
         if "rdma" in sections:
             out.update(_rdma(actor, plain, quick))
         procs.stop().get(timeout=60)
@@ -247,12 +250,12 @@ def _noop_p(actor: Any, n: int) -> dict[str, float]:
     return {"p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6}
 
 
-def _noop_during(actor: Any, quick: bool) -> dict[str, Any]:
+def _noop_during(actor: Any, control: Any, quick: bool) -> dict[str, Any]:
     import torch
 
     n = 300 if quick else 1000
-    _noop_p(actor, 100)
-    idle = _noop_p(actor, n)
+    _noop_p(control, 100)
+    idle = _noop_p(control, n)
     big = torch.ones((256 if quick else 1024) * MiB // 4, dtype=torch.float32)
     stop = threading.Event()
     moved = [0]
@@ -266,7 +269,7 @@ def _noop_during(actor: Any, quick: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     t.start()
     try:
-        busy = _noop_p(actor, n)
+        busy = _noop_p(control, n)
     finally:
         stop.set()
         t.join(timeout=120)

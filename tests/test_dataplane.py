@@ -167,3 +167,72 @@ def test_received_segments_are_uninitialised_only_until_filled(kind: int) -> Non
     view[:] = _pattern(5 * MiB, 3)
     assert bytes(obj) == _pattern(5 * MiB, 3)
     assert type(obj) is {0: memoryview, 1: bytes, 2: bytearray}[kind]
+
+
+# -- what goes to the socket next (transport._outgoing) ------------------------------------------
+
+from actormesh.transport._outgoing import Outgoing  # noqa: E402
+
+
+def _drain(out: Outgoing, decoder: FrameDecoder, max_bytes: int = 1) -> tuple[list[bytes], int]:
+    """Write batches until empty; return the frames' first segments in arrival order and the batch count."""
+    names, batches = [], 0
+    while out:
+        parts, _ = out.batch(max_bytes)
+        batches += 1
+        for frame in decoder.feed(b"".join(bytes(p) for p in parts)):
+            names.append(bytes(frame[0]))
+    return names, batches
+
+
+def test_small_frames_with_another_key_pass_a_large_one_and_same_keys_keep_their_order() -> None:
+    out = Outgoing(chunk_bytes=64 * KiB, chunk_min_bytes=1 * MiB)
+    out.push([b"big-a", bytes(4 * MiB)], 0, None, "a")
+    first, _ = out.batch(1)  # the large frame is under way
+    dec = FrameDecoder(MAX)
+    assert dec.feed(b"".join(bytes(p) for p in first)) == []
+    out.push([b"small-a"], 0, None, "a")  # same key: waits for the large one
+    out.push([b"small-b"], 0, None, "b")  # another key than all before it: passes them
+    out.push([b"small-b2"], 0, None, "b")
+    names, _ = _drain(out, dec)
+    assert names == [b"small-b", b"small-b2", b"big-a", b"small-a"]
+
+    out.push([b"big-a", bytes(4 * MiB)], 0, None, "a")
+    assert dec.feed(b"".join(bytes(p) for p in out.batch(1)[0])) == []
+    out.push([b"small-b"], 0, None, "b")
+    out.push([b"small-c"], 0, None, "c")
+    out.push([b"barrier"], 0, None, None)  # no key: ordered against everything
+    out.push([b"small-d"], 0, None, "d")  # behind the barrier
+    names, _ = _drain(out, dec)
+    assert names == [b"small-b", b"small-c", b"big-a", b"barrier", b"small-d"]
+
+
+def test_a_second_large_frame_waits_and_events_fire_when_a_frame_is_out() -> None:
+    import threading
+
+    out = Outgoing(chunk_bytes=256 * KiB, chunk_min_bytes=1 * MiB)
+    done = [threading.Event() for _ in range(3)]
+    out.push([b"one", bytes(2 * MiB)], 0, done[0], "a")
+    out.push([b"two", bytes(2 * MiB)], 0, done[1], "b")  # another key, but large: after "one"
+    out.push([b"after-two"], 0, None, "b")  # behind "two", same key
+    out.push([b"three", bytes(10)], 0, done[2], "c")
+    dec, names, fired = FrameDecoder(MAX), [], []
+    while out:
+        parts, events = out.batch(256 * KiB)
+        assert sum(len(memoryview(p).cast("B")) for p in parts) <= 256 * KiB + 64 * KiB  # bounded batches
+        names += [bytes(f[0]) for f in dec.feed(b"".join(bytes(p) for p in parts))]
+        fired += [done.index(e) for e in events]
+    assert names == [b"three", b"one", b"two", b"after-two"] and sorted(fired) == [0, 1, 2]
+    assert fired.index(2) < fired.index(0)  # the small frame's event fired when it went out
+
+
+def test_clearing_the_queue_releases_every_waiting_sender() -> None:
+    import threading
+
+    out = Outgoing(chunk_bytes=64 * KiB, chunk_min_bytes=1 * MiB)
+    events = [threading.Event() for _ in range(3)]
+    out.push([b"big", bytes(2 * MiB)], 0, events[0], None)
+    out.batch(1)
+    out.push([b"big2", bytes(2 * MiB)], 0, events[1], None)
+    out.push([b"small"], 0, events[2], None)
+    assert sorted(map(id, out.clear())) == sorted(map(id, events)) and not out

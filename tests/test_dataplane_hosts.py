@@ -25,11 +25,14 @@ _COMMON = textwrap.dedent(
     from actormesh import config
     NET = sys.argv[2]
     config.configure(default_transport="tcp", bind_host=f"{NET}.1")
+    import actormesh.actor as am
     from actormesh.actor import Actor, endpoint
     from actormesh.mesh import HostMesh
     from actormesh.runtime import current_runtime
 
     torch.set_num_threads(1)
+    failures = []
+    am.unhandled_fault_hook = failures.append  # a proc killed on purpose: the controller lives on
 
     def crc(value):
         if isinstance(value, torch.Tensor):
@@ -49,6 +52,33 @@ _COMMON = textwrap.dedent(
         @endpoint
         def pid(self):
             return os.getpid()
+
+        @endpoint
+        def log(self, tag):
+            self.seen = getattr(self, "seen", [])
+            self.seen.append((tag, time.monotonic()))
+
+        @endpoint
+        def big(self, value, tag):
+            self.seen = getattr(self, "seen", [])
+            self.seen.append((tag, time.monotonic()))
+            return len(value)
+
+        @endpoint
+        def seen_list(self):
+            return getattr(self, "seen", [])
+
+        @endpoint
+        def make(self, n):
+            return pattern(n, 3)
+
+    def wait_for(predicate, timeout):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
 
     def emit(phase, **kw):
         print("RESULT " + json.dumps({"phase": phase, **kw}), flush=True)
@@ -138,6 +168,66 @@ _GIB = _COMMON + textwrap.dedent(
     """
 )
 
+_INTERLEAVE = _COMMON + textwrap.dedent(
+    """
+    import threading, psutil
+    try:
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        w = procs.spawn("w", Sink)
+        a, b = w, procs.spawn("b", Sink)
+        a.log.call_one("warm").get(timeout=60); b.log.call_one("warm").get(timeout=60)
+        big = torch.ones(1 << 28)  # 1 GiB
+        started, futures = threading.Event(), []
+
+        def sender():  # one thread: the large call, then small calls to the same actor
+            started.set()
+            futures.append(a.big.call_one(big, "big"))
+            futures.extend(a.log.call_one(f"after-{i}") for i in range(5))
+
+        t = threading.Thread(target=sender)
+        t.start()
+        started.wait(30)
+        b_sent = 0
+        while b_sent < 300 and not (futures and futures[0].done()):
+            b.log.call_one(b_sent).get(timeout=60)  # another actor, same proc, same connection
+            b_sent += 1
+        t.join(60)
+        assert futures[0].get(timeout=120) == 1 << 28
+        for f in futures[1:]:
+            f.get(timeout=60)
+        a_seen = [tag for tag, _ in a.seen_list.call_one().get(timeout=60)]
+        big_at = dict(a.seen_list.call_one().get(timeout=60))["big"]
+        b_seen = b.seen_list.call_one().get(timeout=60)
+        emit("interleave", a_seen=a_seen, b_sent=b_sent, b_order=[tag for tag, _ in b_seen[1:]] == list(range(b_sent)),
+             b_before_big=sum(1 for tag, at in b_seen[1:] if at < big_at))
+
+        # The sender of a 1 GiB reply killed mid-transfer: a clear error here, the memory back.
+        me = psutil.Process()
+        pid = w.pid.call_one().get(timeout=60)
+        base = me.memory_info().rss
+        fut = w.make.call_one(1 << 30)
+        receiving = wait_for(lambda: me.memory_info().rss > base + (200 << 20), 60)
+        os.kill(pid, 9)
+        t0 = time.monotonic()
+        try:
+            fut.get(timeout=60)
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failed_s = time.monotonic() - t0
+        back = wait_for(lambda: me.memory_info().rss < base + (100 << 20), 30)
+        emit("killed", receiving=receiving, error=error, failed_s=failed_s, memory_back=back,
+             rss_mb=[base >> 20, me.memory_info().rss >> 20])
+        try:
+            procs.stop().get(timeout=60)
+        except Exception:
+            pass  # one of its procs was killed
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+    """
+)
+
 
 @pytest.fixture
 def one_host() -> Iterator[Bridged]:
@@ -180,3 +270,15 @@ def test_a_gibibyte_of_bytes_crosses_hosts_intact(one_host, tmp_path):
         pytest.skip("needs about 6 GiB of free memory (sender, receiver, checks)")
     phases = _run(tmp_path, _GIB, one_host, timeout=80)
     assert phases["gib"]["ok"], phases
+
+
+@pytest.mark.timeout(120)
+def test_small_calls_pass_a_large_transfer_on_the_same_connection_and_a_killed_sender_frees_its_memory(one_host, tmp_path):
+    phases = _run(tmp_path, _INTERLEAVE, one_host, timeout=110)
+    inter = phases["interleave"]
+    assert inter["a_seen"] == ["warm", "big", *(f"after-{i}" for i in range(5))]  # one actor: send order kept
+    assert inter["b_order"] and inter["b_sent"] >= 1
+    assert inter["b_before_big"] >= 1, inter  # calls to another actor went while the 1 GiB was on the wire
+    killed = phases["killed"]
+    assert killed["receiving"] and killed["error"] is not None and killed["failed_s"] < 30, killed
+    assert killed["memory_back"], killed

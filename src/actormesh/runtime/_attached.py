@@ -44,8 +44,9 @@ class _DuplexLeg:
         self._destination = destination.encode()
         self.tag = destination
 
-    def send(self, segments: Sequence[Segment], *, wait_flushed: bool = False) -> Any:
-        return self._duplex.send([segments[0], self._destination, *segments[1:]], wait_flushed=wait_flushed)
+    def send(self, segments: Sequence[Segment], *, wait_flushed: bool = False, order_key: Any = None) -> Any:
+        return self._duplex.send([segments[0], self._destination, *segments[1:]], wait_flushed=wait_flushed,
+                                 order_key=None if order_key is None else (self._destination, order_key))
 
     @property
     def last_rx(self) -> float:

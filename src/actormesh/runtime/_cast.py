@@ -139,4 +139,4 @@ def handle_cast(rt: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> No
         # Forwarded buffers may still be in flight: the local actor gets its own copy.
         payload = [payload[0], *(bytearray(s) for s in payload[1:])]
     for index, _, seq in mine:
-        rt._reorder.push(sender, seq, (M.CALL, actor, endpoint, reply_here, index, labels, sizes, sender, seq), payload)
+        rt._reorder.push((sender, actor), seq, (M.CALL, actor, endpoint, reply_here, index, labels, sizes, sender, seq), payload)

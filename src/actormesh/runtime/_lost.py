@@ -64,12 +64,12 @@ def payload_lost(rt: ProcRuntime, env: Envelope, error: Any) -> None:
     lost = [Lost(exc)]
     kind = env[0]
     if kind in _SEQUENCED:
-        rt._reorder.push(env[-2], env[-1], env, lost)  # keeps the sender's order: no gap
+        rt._reorder.push((env[-2], env[1]), env[-1], env, lost)  # keeps the sender's order: no gap
     elif kind == M.CAST:
         _, actor, endpoint, reply, labels, sizes, sender, members = env
         for index, address, seq in members:
             if address == rt.address:
-                rt._reorder.push(sender, seq, (M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
+                rt._reorder.push((sender, actor), seq, (M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
             elif reply is not None:
                 rt.reply(reply, index, M.ERROR, error_payload(exc))
         if reply is None:

@@ -3,9 +3,15 @@
 A message from process S to an actor in process D may go straight (``call_one``)
 or through a cast tree (``broadcast``/``call`` on large meshes), so two messages
 can arrive out of order. S numbers every actor-directed message per destination
-process (``SeqOut``); D releases them in number order (``Reorder``), holding
-early ones. This is Monarch's scheme (sequence numbers allocated by the
-originating sender before fan-out, a reorder buffer at the destination).
+actor (``SeqOut``, keyed by the actor's process and name); D releases them in
+number order per (sender, actor) (``Reorder``), holding early ones. This is
+Monarch's scheme (sequence numbers allocated by the originating sender before
+fan-out, a reorder buffer at the destination).
+
+Why per actor, not per process: the guarantee is per sender and actor, and a
+large message to one actor may be passed on the wire by a small one to another
+actor of the same process (see transport._outgoing); numbered per process, the
+small one would wait here for the large one all the same.
 
 A gap that never fills (a tree node died with messages for us) is skipped after
 ``gap_timeout_s``, so later messages are delayed, never lost for good. A message
@@ -34,18 +40,20 @@ class SeqOut:
         self._counters: dict[str, itertools.count[int]] = {}
         self._lock = threading.Lock()
 
-    def next(self, address: str) -> int:
-        """The next number for a message to ``address``."""
-        c = self._counters.get(address)
+    def next(self, address: str, actor: Any = None) -> int:
+        """The next number for a message to ``actor`` at ``address`` (or to ``address``)."""
+        key = address if actor is None else (address, actor)
+        c = self._counters.get(key)
         if c is None:
             with self._lock:
-                c = self._counters.setdefault(address, itertools.count())
+                c = self._counters.setdefault(key, itertools.count())
         return next(c)  # atomic in CPython
 
     def forget(self, address: str) -> None:
-        """Drop the counter of a destination that is gone for good."""
+        """Drop the counters of a destination process that is gone for good."""
         with self._lock:
-            self._counters.pop(address, None)
+            for key in [k for k in self._counters if k == address or (type(k) is tuple and k[0] == address)]:
+                del self._counters[key]
 
 
 class _Stream:
@@ -164,9 +172,10 @@ class ReorderBuffer:
         return out
 
     def forget(self, sender: str) -> None:
-        """Drop state for a sender that is gone."""
-        self._streams.pop(sender, None)
-        self._waiting.pop(sender, None)
+        """Drop state for a sender that is gone (streams keyed ``sender`` or ``(sender, ...)``)."""
+        for key in [k for k in self._streams if k == sender or (type(k) is tuple and k[0] == sender)]:
+            self._streams.pop(key, None)
+            self._waiting.pop(key, None)
 
     def __len__(self) -> int:
         """Senders with state here."""

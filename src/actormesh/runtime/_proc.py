@@ -182,9 +182,20 @@ class ProcRuntime:
         r = self._routes.get(address)
         if r is None:
             r = self.route(address)
-        if env[0] in _SEQUENCED and r.dead is None:  # a dead peer gets no counter back
-            env = (*env, self.address, self.seq_out.next(address))
+        kind = env[0]
+        if kind in _SEQUENCED and r.dead is None:  # a dead peer gets no counter back
+            env = (*env, self.address, self.seq_out.next(address, env[1]))
+        elif kind == M.CAST and env[6] == self.address and r.dead is None:
+            env = self._number_cast(env)
         r.send(env, payload)
+
+    def _number_cast(self, env: Envelope) -> Envelope:
+        """Number the members of a cast that starts here, per destination actor, as
+        they leave: each member's number then sits in the same sequence as a direct
+        call to that actor (see _ordering.py)."""
+        actor, nxt = env[1], self.seq_out.next
+        members = tuple((index, address, nxt(address, actor)) for index, address, _ in env[7])
+        return (*env[:7], members)
 
     def messages_sent(self) -> int:
         """Messages this process has sent to other processes so far (all routes)."""
@@ -313,7 +324,7 @@ class ProcRuntime:
     def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
         kind = env[0]
         if kind in _SEQUENCED:
-            self._reorder.push(env[-2], env[-1], env, payload)
+            self._reorder.push((env[-2], env[1]), env[-1], env, payload)
         elif kind == M.REPLY:
             handler = self.ports.get(env[1])
             if handler is not None:

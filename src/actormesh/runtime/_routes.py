@@ -19,6 +19,7 @@ from ..errors import Cause, CauseKind, TransportError
 from ..telemetry import FIGURES
 from ..telemetry import STATE as _TELEMETRY
 from ..transport import Connection, Segment
+from . import _messages as M
 from ._messages import BIG_PAYLOAD_BYTES
 
 if TYPE_CHECKING:
@@ -27,6 +28,21 @@ if TYPE_CHECKING:
 __all__ = ["Route", "LocalRoute"]
 
 Envelope = tuple[Any, ...]
+
+
+_TO_ACTOR = frozenset({M.CALL, M.STOP_ACTOR, M.CAST})
+_TO_PORT = frozenset({M.REPLY, M.REPLY_MULTI})
+
+
+def order_key(env: Envelope) -> Any:
+    """What a message must stay in order with on its connection (see transport._outgoing):
+    messages to one actor, or replies to one port. Any other kind keeps its place among all."""
+    kind = env[0]
+    if kind in _TO_ACTOR:
+        return ("actor", env[1])
+    if kind in _TO_PORT:
+        return ("port", env[1])
+    return None
 
 
 def _payload_bytes(payload: Sequence[Segment]) -> int:
@@ -83,7 +99,7 @@ class Route:
                 return
         big = _payload_bytes(payload) >= BIG_PAYLOAD_BYTES
         try:
-            event = conn.send([pickle.dumps(env, 5), *payload], wait_flushed=big)
+            event = conn.send([pickle.dumps(env, 5), *payload], wait_flushed=big, order_key=order_key(env))
         except TransportError as exc:
             self._runtime.undeliverable(env, self.address, Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc))
             return
@@ -98,7 +114,7 @@ class Route:
                 return
             pending, self._pending = self._pending, []
             for env, payload in pending:
-                conn.send([pickle.dumps(env, 5), *payload])
+                conn.send([pickle.dumps(env, 5), *payload], order_key=order_key(env))
             self.conn = conn
             self.connecting = False
 

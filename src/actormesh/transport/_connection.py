@@ -8,6 +8,10 @@ decodes frames and hands them to ``on_frame`` on the loop thread.
 per loop iteration writes them all with a single ``writelines``: many small
 messages cost one syscall, and a burst from another thread costs one wake-up
 of the loop, not one per message.
+
+Large frames go out in chunks, one batch at a time, each only once the socket
+has taken the one before (see _outgoing.py): small frames with another order
+key pass them, and memory for a send is the sender's own buffers, never a copy.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any
 
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
-from ._frames import FLAG_SHM, FrameDecoder, LostFrame, Segment, ShmFrame, encode_frame
+from ._frames import FLAG_SHM, FrameDecoder, LostFrame, Segment, ShmFrame, encode_frame, frame_tail, seg_nbytes
+from ._outgoing import CHUNK_BYTES, CHUNK_MIN_BYTES, Outgoing
 from ._shm import ShmError, ShmExhausted, ShmPool, peer_pid_uid
 
 __all__ = ["Connection", "LostPayload", "parse_address"]
@@ -67,19 +72,8 @@ def parse_address(address: str) -> tuple[str, Any]:
 
 # A connection quiet for this long takes the direct-write path (see _write_direct).
 _IDLE_S = 100e-6
-
-
-def _tail(frame: list[Segment], skip: int) -> list[Segment]:
-    """The parts of ``frame`` after its first ``skip`` bytes."""
-    rest: list[Segment] = []
-    for part in frame:
-        n = len(part) if type(part) is bytes else memoryview(part).nbytes
-        if skip >= n:
-            skip -= n
-            continue
-        rest.append(memoryview(part)[skip:] if skip else part)
-        skip = 0
-    return rest
+# Bytes handed to the transport per batch while frames wait (see _outgoing.py).
+_BATCH_BYTES = CHUNK_BYTES
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -109,7 +103,10 @@ class Connection(asyncio.BufferedProtocol):
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._transport: asyncio.Transport | None = None
-        self._outbox: deque[tuple[list[Segment], threading.Event | None]] = deque()
+        # (segments, flags, event, order key) from any thread, until the loop takes them into _out
+        self._outbox: deque[tuple[Sequence[Segment], int, threading.Event | None, Any]] = deque()
+        self._out = Outgoing()
+        self._closing = False  # close once _out is written
         self._scheduled = False
         self._drain_waiters: list[threading.Event] = []
         self._wlock = threading.Lock()
@@ -218,6 +215,10 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._release_drain_waiters()
+        if self._out and not self._scheduled:
+            # Not a flush from here: a transport may call this from inside our own write.
+            self._scheduled = True
+            self._loop.call_soon(self._flush)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
@@ -227,21 +228,30 @@ class Connection(asyncio.BufferedProtocol):
             self.ready.set_exception(TransportError(f"connection to {self.peer_name} closed during handshake"))
             self.ready.exception()  # mark retrieved: a dial that gave up must not log noise
         self._release_drain_waiters()
-        for _, ev in self._outbox:
-            if ev is not None:
+        self._decoder.close()  # a frame cut off with the connection frees its memory now
+        with self._wlock:
+            for _, _, ev, _ in self._outbox:
+                if ev is not None:
+                    ev.set()
+            self._outbox.clear()
+            for ev in self._out.clear():
                 ev.set()
-        self._outbox.clear()
         if self.shm is not None:
             self.shm.forget(self)
         self._on_close(self, exc)
 
     # -- sending (any thread) ----------------------------------------------------------
-    def send(self, segments: Sequence[Segment], *, wait_flushed: bool = False) -> threading.Event | None:
+    def send(self, segments: Sequence[Segment], *, wait_flushed: bool = False,
+             order_key: Any = None) -> threading.Event | None:
         """Queue one frame. Thread-safe; frames from one thread keep their order.
 
         With ``wait_flushed`` an Event is returned that is set once the frame's
         bytes are in the kernel (or the connection closed): until then the
         segments' memory is still referenced and must not change.
+
+        ``order_key``: frames with equal keys, or without a key, are written in
+        send order; a small frame may pass a large one in progress when both
+        have keys and they differ (see _outgoing.py).
         """
         if self.closed:
             raise TransportError(f"connection to {self.peer_name} is closed")
@@ -252,17 +262,16 @@ class Connection(asyncio.BufferedProtocol):
                 # Copied into shared memory already: only small parts still reference the caller's memory.
                 manifest, rest = exported
                 segments, flags = [manifest, *rest], FLAG_SHM
-                if wait_flushed and max(len(p) if type(p) is bytes else memoryview(p).nbytes for p in rest) < 65536:
+                if wait_flushed and max(seg_nbytes(p) for p in rest) < 65536:
                     wait_flushed = False
-        frame = encode_frame(segments, flags)
         if self._fd >= 0 and not wait_flushed and threading.get_ident() != self._loop_thread:
             now = _monotonic()
             idle = now - self._last_tx > _IDLE_S
             self._last_tx = now
-            if idle and self._write_direct(frame):
+            if idle and self._write_direct(segments, flags):
                 return None
         event = threading.Event() if wait_flushed else None
-        self._outbox.append((frame, event))
+        self._outbox.append((segments, flags, event, order_key))
         if not self._scheduled:
             self._scheduled = True
             if threading.get_ident() == self._loop_thread:
@@ -274,8 +283,8 @@ class Connection(asyncio.BufferedProtocol):
                     raise TransportError("event loop is closed") from exc
         return event
 
-    def _write_direct(self, frame: list[Segment]) -> bool:
-        """Write a frame from the sender's thread, skipping the hop to the loop.
+    def _write_direct(self, segments: Sequence[Segment], flags: int) -> bool:
+        """Write a small frame from the sender's thread, skipping the hop to the loop.
 
         Only on an idle connection (nothing queued, nothing buffered): one less
         thread wake-up per message is most of a round trip's latency. Busy
@@ -283,21 +292,24 @@ class Connection(asyncio.BufferedProtocol):
         """
         with self._wlock:
             transport = self._transport
-            if self._outbox or self._scheduled or self._handshake is not None or self.closed or transport is None:
+            if self._outbox or self._scheduled or self._out or self._handshake is not None or self.closed or transport is None:
                 return False
             if transport.get_write_buffer_size():
                 return False
+            frame = encode_frame(segments, flags)
+            total = sum(seg_nbytes(p) for p in frame)
+            if total >= CHUNK_MIN_BYTES:
+                return False  # goes in chunks, from the loop
             try:
                 written = os.writev(self._fd, frame)
             except (BlockingIOError, InterruptedError):
                 written = 0
             except OSError:
                 return False  # let the loop see the broken connection
-            total = sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in frame)
             if written == total:
                 return True
             # The kernel took part of it: the loop writes the rest, before anything else.
-            self._outbox.appendleft((_tail(frame, written), None))
+            self._out.push_encoded(frame_tail(frame, written))
             self._scheduled = True
         try:
             self._loop.call_soon_threadsafe(self._flush)
@@ -313,23 +325,47 @@ class Connection(asyncio.BufferedProtocol):
         self._scheduled = False
         if self._handshake is not None or self.closed or self._transport is None:
             return
-        outbox = self._outbox
-        parts: list[Segment] = []
-        waiters: list[threading.Event] = []
+        outbox, out = self._outbox, self._out
         while outbox:
-            frame, ev = outbox.popleft()
-            parts.extend(frame)
-            if ev is not None:
-                waiters.append(ev)
-        if not parts:
-            return
-        self._transport.writelines(parts)
-        if waiters:
-            if self._transport.get_write_buffer_size() == 0:
-                for ev in waiters:
-                    ev.set()
-            else:
+            segments, flags, event, key = outbox.popleft()
+            out.push(segments, flags, event, key)
+        transport = self._transport
+        # One batch at a time, each once the socket has taken the last: what waits in
+        # the transport stays small, so a frame queued now is not stuck behind megabytes.
+        while out and transport.get_write_buffer_size() == 0:
+            parts, waiters = out.batch(_BATCH_BYTES)
+            if not self._write_parts(parts):
                 self._drain_waiters.extend(waiters)
+                break
+            for ev in waiters:
+                ev.set()
+        if self._closing and not out:
+            transport.close()
+
+    def _write_parts(self, parts: list[Segment]) -> bool:
+        """Hand a batch to the kernel; True if it took all of it.
+
+        Written with ``os.writev`` where we have the descriptor (the transport's
+        buffer is empty, so nothing is overtaken): it copies without holding the
+        GIL, so other threads (callers, actors) run during a large transfer. What
+        the kernel does not take goes to the transport, which keeps it without
+        a copy (uvloop) and says when it is out (``resume_writing``).
+        """
+        transport = self._transport
+        assert transport is not None
+        written = 0
+        if self._fd >= 0:
+            try:
+                written = os.writev(self._fd, parts)
+            except (BlockingIOError, InterruptedError):
+                written = 0
+            except OSError:
+                written = 0  # the transport's own write reports the broken connection
+            if written == sum(seg_nbytes(p) for p in parts):
+                return True
+            parts = frame_tail(parts, written)
+        transport.writelines(parts)
+        return transport.get_write_buffer_size() == 0
 
     def _release_drain_waiters(self) -> None:
         waiters, self._drain_waiters = self._drain_waiters, []
@@ -357,8 +393,10 @@ class Connection(asyncio.BufferedProtocol):
 
     def _close_now(self) -> None:
         if self._transport is not None and not self.closed:
+            self._closing = True  # the transport closes once every queued frame is written
             self._flush()
-            self._transport.close()
+            if self._handshake is not None and not self.closed:
+                self._transport.close()  # nothing of ours can be written before the handshake
 
     def _abort(self, exc: BaseException) -> None:
         if self._transport is not None and not self.closed:
@@ -371,7 +409,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return True
         transport = self._transport
-        return not self._outbox and not self._scheduled and (transport is None or transport.get_write_buffer_size() == 0)
+        return not self._outbox and not self._scheduled and not self._out and (
+            transport is None or transport.get_write_buffer_size() == 0)
 
     def abort(self) -> None:
         """Drop the connection now, queued frames and all (thread-safe): for a peer given up on."""

@@ -57,7 +57,7 @@ from ..errors import ProtocolError
 from ._buffers import KINDS, alloc_segment, kind_of
 
 __all__ = ["FrameDecoder", "encode_frame", "encode_chunked", "chunk_header", "Segment", "PREFIX_BYTES", "FLAG_SHM",
-           "FLAG_CHUNKED", "FLAG_CHUNK", "ShmFrame", "LostFrame", "BIG_BYTES", "seg_nbytes"]
+           "FLAG_CHUNKED", "FLAG_CHUNK", "ShmFrame", "LostFrame", "BIG_BYTES", "seg_nbytes", "frame_tail"]
 
 Segment = Union[bytes, bytearray, memoryview]
 
@@ -70,6 +70,8 @@ _RECV_BYTES = 256 * 1024
 # Frames with more data than this get segments of their own (no copy on receive).
 _BIG_BYTES = BIG_BYTES = 64 * 1024
 _LEN_MASK = (1 << 56) - 1
+# How much a read between the chunks of a chunked frame takes into the shared buffer.
+_BETWEEN_CHUNKS_BYTES = 8 * 1024
 FLAG_SHM = 1
 FLAG_CHUNKED = 2
 FLAG_CHUNK = 4
@@ -100,6 +102,19 @@ _alloc = alloc_segment
 def seg_nbytes(part: Any) -> int:
     """Length in bytes of a segment (bytes, bytearray or any buffer)."""
     return len(part) if type(part) is bytes else memoryview(part).nbytes
+
+
+def frame_tail(frame: Sequence[Segment], skip: int) -> list[Segment]:
+    """The parts of ``frame`` after its first ``skip`` bytes (the rest of a partial write)."""
+    rest: list[Segment] = []
+    for part in frame:
+        n = seg_nbytes(part)
+        if skip >= n:
+            skip -= n
+            continue
+        rest.append(memoryview(part)[skip:] if skip else part)
+        skip = 0
+    return rest
 
 
 def _table(segments: Sequence[Segment]) -> tuple[list[int], bytes]:
@@ -223,6 +238,10 @@ class FrameDecoder:
             tail = self._end - self._start
             self._buf[:tail] = self._view[self._start : self._end]
             self._start, self._end = 0, tail
+        if self._chunked is not None:
+            # Between chunks, read little: what follows a chunk's header is its data, which
+            # should land in its segment, not here (where it would be copied once more).
+            return self._view[self._end : self._end + _BETWEEN_CHUNKS_BYTES]
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> list[list[Segment]]:
@@ -258,6 +277,12 @@ class FrameDecoder:
             mv = mv[n:]
             frames.extend(self.buffer_updated(n))
         return frames
+
+    def close(self) -> None:
+        """Drop any frame in progress (its memory goes now); the decoder takes no more bytes."""
+        self._target = self._chunked = None
+        self._inflow = 0
+        self._broken = True
 
     def _parse(self) -> list[list[Segment]]:
         frames: list[list[Segment]] = []

@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import ssl
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -138,8 +139,19 @@ async def listen(
     return Listener(server, f"tcp:{shown}:{bound_port}", None, gate)
 
 
+#: Unsent bytes the kernel holds per TCP socket before it stops taking more (Linux).
+NOTSENT_LOWAT_BYTES = 128 * 1024
+_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform == "linux" else None)
+
+
 def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
-    """No Nagle delay; with ``dead_after_s``, the kernel gives up on a dead link by then.
+    """No Nagle delay; at most ``NOTSENT_LOWAT_BYTES`` unsent in the kernel; with
+    ``dead_after_s``, the kernel gives up on a dead link by then.
+
+    Why the unsent limit: the kernel's send buffer grows to megabytes, and a small
+    frame written behind a large one waits until all of it is on the wire (a few
+    ms at link speed). Large frames are written a batch at a time (see
+    _outgoing.py), so with the limit a small frame waits for about a batch.
 
     Keepalive probes an idle link and ``TCP_USER_TIMEOUT`` bounds how long sent
     data may stay unacknowledged, so a peer behind a network partition is never
@@ -147,6 +159,11 @@ def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
     watch (heartbeats) decides first; this is the backstop.
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if _NOTSENT_LOWAT is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
+        except OSError:
+            pass  # an older kernel: small frames may wait behind more of a large one
     if not dead_after_s:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
