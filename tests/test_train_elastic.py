@@ -87,3 +87,29 @@ def test_past_max_restarts_the_run_stops_naming_the_rank(tmp_path: Any) -> None:
         os.kill(pid_of(trainer, 0), signal.SIGKILL)
         with pytest.raises(TrainingFailed, match=r"rank 0 lost at step 2 \(.*Killed\(sig=9\).*\), and all 0 restarts are used"):
             trainer.step()
+
+
+@pytest.mark.timeout(120)
+def test_batches_sent_by_the_controller_are_replayed_when_no_checkpoint_exists_yet(tmp_path: Any) -> None:
+    """Killed before the first checkpoint: the initial weights again, and the sent batches since then replayed."""
+    from test_train_data import global_batches
+
+    data = global_batches(4)
+    torch.manual_seed(0)
+    model = MODEL()
+    opt = ADAMW(model.parameters())
+    expected = []
+    for x, y in data:  # the same training in this process
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    recovery = Recovery(str(tmp_path), checkpoint_every=100, max_restarts=1)
+    with spawn_elastic_trainer(MODEL, lm_loss, ADAMW, Plan(dp=2), recovery=recovery, timeout=120) as trainer:
+        losses = [trainer.step(b) for b in data[:2]]
+        os.kill(pid_of(trainer, 1), signal.SIGKILL)
+        figures = [trainer.step_figures(b) for b in data[2:]]
+    assert figures[0].recovery is not None and "restored step 0 from the initial weights (no checkpoint yet), replayed 2 step(s)" in figures[0].recovery
+    losses += [f.loss for f in figures]
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-5, (losses, expected)
