@@ -201,12 +201,12 @@ _INTERLEAVE = _COMMON + textwrap.dedent(
         emit("interleave", a_seen=a_seen, b_sent=b_sent, b_order=[tag for tag, _ in b_seen[1:]] == list(range(b_sent)),
              b_before_big=sum(1 for tag, at in b_seen[1:] if at < big_at))
 
-        # The sender of a 1 GiB reply killed mid-transfer: a clear error here, the memory back.
+        # The sender of a 512 MiB reply killed mid-transfer: a clear error here, the memory back.
         me = psutil.Process()
         pid = w.pid.call_one().get(timeout=60)
         base = me.memory_info().rss
-        fut = w.make.call_one(1 << 30)
-        receiving = wait_for(lambda: me.memory_info().rss > base + (200 << 20), 60)
+        fut = w.make.call_one(512 << 20)
+        receiving = wait_for(lambda: me.memory_info().rss > base + (128 << 20), 60)
         os.kill(pid, 9)
         t0 = time.monotonic()
         try:
@@ -215,7 +215,7 @@ _INTERLEAVE = _COMMON + textwrap.dedent(
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         failed_s = time.monotonic() - t0
-        back = wait_for(lambda: me.memory_info().rss < base + (100 << 20), 30)
+        back = wait_for(lambda: me.memory_info().rss < base + (64 << 20), 30)
         emit("killed", receiving=receiving, error=error, failed_s=failed_s, memory_back=back,
              rss_mb=[base >> 20, me.memory_info().rss >> 20])
         try:
