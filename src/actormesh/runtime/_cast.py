@@ -134,7 +134,7 @@ def handle_cast(rt: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> No
         relay = RelayPort(rt, reply, [m[0] for m in members], owed_by)
         reply_here = (here, relay.port_id)
     for chunk in chunks:
-        rt.send(chunk[0][1], (M.CAST, actor, endpoint, reply_here, labels, sizes, sender, tuple(chunk)), payload)
+        rt.send(chunk[0][1], (M.CAST, actor, endpoint, reply_here, labels, sizes, sender, tuple(chunk)), payload, forwarded=True)
     if mine and len(payload) > 1:
         # Forwarded buffers may still be in flight: the local actor gets its own copy.
         payload = [payload[0], *(bytearray(s) for s in payload[1:])]

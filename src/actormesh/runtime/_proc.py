@@ -173,11 +173,13 @@ class ProcRuntime:
             self._routes[address] = r
         return r
 
-    def send(self, address: str, env: Envelope, payload: Sequence[Segment] = ()) -> None:
+    def send(self, address: str, env: Envelope, payload: Sequence[Segment] = (), *, forwarded: bool = False) -> None:
         """Send an envelope (and payload segments) to a process. Any thread.
 
         Actor-directed messages (CALL, STOP_ACTOR) get ``(sender, seq)`` appended:
-        the destination releases them in that order whatever path they took.
+        the destination releases them in that order whatever path they took. A
+        cast that starts here has its members numbered as it leaves; one passed
+        on by a tree node (``forwarded``) keeps the numbers its origin gave.
         """
         r = self._routes.get(address)
         if r is None:
@@ -185,7 +187,7 @@ class ProcRuntime:
         kind = env[0]
         if kind in _SEQUENCED and r.dead is None:  # a dead peer gets no counter back
             env = (*env, self.address, self.seq_out.next(address, env[1]))
-        elif kind == M.CAST and env[6] == self.address and r.dead is None:
+        elif kind == M.CAST and not forwarded and env[6] == self.address and r.dead is None:
             env = self._number_cast(env)
         r.send(env, payload)
 
