@@ -53,3 +53,20 @@ def test_a_cast_from_inside_its_mesh_keeps_order_without_waiting_for_a_gap(spawn
     histories, took_s = members.slice(gpus=0).cast_from_here.call_one(members, 20).get(timeout=T)
     assert histories == [[*range(20), -1]] * 6
     assert took_s < 4.0, took_s  # a numbering gap would hold a member's calls for the 5 s gap timeout
+
+
+def test_numbers_are_per_destination_actor_and_forgetting_a_process_drops_all_of_its_actors() -> None:
+    from actormesh.runtime._ordering import ReorderBuffer, SeqOut
+
+    seq = SeqOut()
+    assert [seq.next("p", "a"), seq.next("p", "a"), seq.next("p", "b"), seq.next("q", "a")] == [0, 1, 0, 0]
+    seq.forget("p")
+    assert (seq.next("p", "a"), seq.next("q", "a")) == (0, 1)
+
+    buf = ReorderBuffer(gap_timeout_s=5.0)
+    assert buf.push(("s", "a"), 1, "a1", now=0.0) == ()  # a's 0 is still on its way (a large message)
+    assert buf.push(("s", "b"), 0, "b0", now=0.0) == ("b0",)  # another actor's stream is not held by it
+    assert buf.push(("s", "a"), 0, "a0", now=0.1) == ["a0", "a1"]
+    buf.push(("s", "a"), 5, "a5", now=0.2)
+    buf.forget("s")
+    assert len(buf) == 0 and buf.next_expiry() is None
