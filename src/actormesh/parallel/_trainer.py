@@ -22,12 +22,13 @@ from typing import Any, cast
 from ..mesh import ActorMesh, ProcMesh
 from ..runtime import Actor, endpoint
 from ._pipeline import cut_to_stage, stage_ids
-from ._train_checkpoint import load_checkpoint, model_shapes, save_checkpoint
-from ._plan import Plan, PlanError
+from ._train_checkpoint import load_checkpoint, save_checkpoint
+from ._plan import Plan
 from ._publish import PublishedWeights
 from ._train_data import DataFactory, RankData
 from ._train_figures import StepFigures, state_bytes
 from ._train_options import TrainOptions
+from ._train_setup import probe_model
 
 __all__ = ["Trainer", "spawn_trainer", "gather_state_dict", "publish_weights"]
 
@@ -66,36 +67,6 @@ class Trainer(Actor):
 
     # ------------------------------------------------------------------ setup
 
-    def _validate(self) -> list[range] | None:
-        """Check the plan against the model, on meta, before any collective (so all ranks fail alike)."""
-        import torch
-
-        from ._pipeline import check_stages, count_blocks, equal_stages
-        from ._tp import check_tp, resolve_tp_plan
-
-        plan = self.plan
-        plan.check_world(int(os.environ["WORLD_SIZE"]))
-        with torch.device("meta"):
-            probe = self.model_fn()
-        if not isinstance(probe, torch.nn.Module):
-            raise PlanError(f"model_fn must return a torch.nn.Module, got {type(probe).__name__}")
-        self.n_params = sum(p.numel() for p in probe.parameters())
-        self.shapes = model_shapes(probe)
-        n_blocks = count_blocks(probe)
-        plan.check_blocks(n_blocks)
-        if plan.tp > 1:
-            tp_plan = resolve_tp_plan(probe, plan.tp_plan)
-            if isinstance(tp_plan, dict):
-                if not tp_plan:
-                    raise PlanError(f"tp={plan.tp} but the tensor-parallel plan matches no module of the model: check the names in Plan(tp_plan=...)")
-                check_tp(probe, tp_plan, plan.tp)
-        if plan.pp == 1:
-            return None
-        assert n_blocks is not None
-        if self.stage_ranges is None:
-            return equal_stages(n_blocks, plan.n_stages)
-        return check_stages(self.stage_ranges, n_blocks, plan.n_stages)
-
     @endpoint
     def setup(self) -> dict[str, Any]:
         """Build, parallelise and initialise the model; returns :meth:`info`."""
@@ -111,7 +82,8 @@ class Trainer(Actor):
         # FSDP2 warns when a module returns a view (TP's replicated logits are one);
         # the trainer never modifies outputs in place, so the warning is noise here.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        ranges = self._validate()
+        probe = probe_model(self.model_fn, self.plan, self.stage_ranges)  # before any collective: all ranks fail alike
+        ranges, self.n_params, self.shapes = probe.stages, probe.n_params, probe.shapes
         plan = self.plan
         if torch.distributed.is_initialized():
             raise RuntimeError("this proc already has a torch.distributed process group (another trainer or SPMD actor "
