@@ -113,3 +113,16 @@ def test_batches_sent_by_the_controller_are_replayed_when_no_checkpoint_exists_y
     assert figures[0].recovery is not None and "restored step 0 from the initial weights (no checkpoint yet), replayed 2 step(s)" in figures[0].recovery
     losses += [f.loss for f in figures]
     assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-5, (losses, expected)
+
+
+@pytest.mark.timeout(120)
+def test_a_new_controller_resumes_from_the_newest_complete_checkpoint(tmp_path: Any) -> None:
+    recovery = Recovery(str(tmp_path), checkpoint_every=3, max_restarts=0)
+    with spawn_elastic_trainer(MODEL, lm_loss, ADAMW, Plan(dp=2), data=shards, recovery=recovery, timeout=120) as first:
+        whole = [first.step() for _ in range(5)]
+    os.makedirs(tmp_path / "step_00000009")  # a save that never completed (no .metadata): skipped
+    resumed = Recovery(str(tmp_path), checkpoint_every=3, max_restarts=0, resume=True)
+    with spawn_elastic_trainer(MODEL, lm_loss, ADAMW, Plan(fsdp=2), data=shards, recovery=resumed, timeout=120) as second:
+        assert second.steps == 3 and second.last_checkpoint == str(tmp_path / "step_00000003")
+        again = [second.step() for _ in range(2)]
+    assert max(abs(a - b) for a, b in zip(again, whole[3:])) < 1e-5, (again, whole)

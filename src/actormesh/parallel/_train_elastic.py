@@ -75,12 +75,15 @@ class Recovery:
     directory); checkpoints go to ``step_<n>`` under it every
     ``checkpoint_every`` steps, the previous one removed once the next is
     complete. ``max_restarts`` counts recoveries over the whole run.
+    ``resume=True`` starts from the newest complete checkpoint already in
+    ``checkpoint_dir`` (e.g. one left by a controller that died), if any.
     """
 
     checkpoint_dir: str
     checkpoint_every: int = 10
     max_restarts: int = 3
     failure_grace_s: float = 3.0
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_dir, (str, os.PathLike)) or not str(self.checkpoint_dir):
@@ -156,6 +159,8 @@ class ElasticTrainer:
         self._replay: list[Any] = []  # batches the controller sent since the last checkpoint
         self._stopped = False
         self._build()
+        if recovery.resume:
+            self._resume()
 
     # ----------------------------------------------------------------- public
 
@@ -197,6 +202,22 @@ class ElasticTrainer:
         self.stop()
 
     # --------------------------------------------------------------- internal
+
+    def _resume(self) -> None:
+        """Load the newest complete checkpoint in the directory (DCP writes ``.metadata`` last)."""
+        root = str(self.recovery.checkpoint_dir)
+        names = sorted(n for n in os.listdir(root) if n.startswith("step_") and os.path.exists(os.path.join(root, n, ".metadata"))) \
+            if os.path.isdir(root) else []
+        if not names:
+            log.info("no checkpoint in %s to resume from: starting at step 0", root)
+            return
+        path = os.path.join(root, names[-1])
+        try:
+            self.steps = self._await(list(self.mesh.load.stream(path)), float(self._kwargs.get("timeout", 600.0)), f"resuming from {path}")
+        except Exception as exc:
+            self._fail_stop(f"could not resume from {path}: {type(exc).__name__}: {exc}", None, exc)
+        self.last_checkpoint = path
+        log.warning("resumed from %s at step %d", path, self.steps)
 
     def _build(self) -> None:
         """A new generation: procs and trainer; failures are told apart by its mesh name."""
