@@ -181,8 +181,8 @@ def test_a_lost_trainer_rank_stops_the_loop_or_is_recovered(tmp_path: Any) -> No
         loop.step()
         os.kill(trainer_pid(loop, 1), signal.SIGKILL)
         with pytest.raises(SupervisionError) as info:
-            loop.step()
-        assert info.value.rank == 1 or "rank 1" in str(info.value) or "1/2" in str(info.value), info.value
+            loop.step()  # not the surviving rank's gloo error: the death, naming the rank
+        assert info.value.rank == 1, info.value
     recovery = Recovery(str(tmp_path / "ckpt"), checkpoint_every=1, max_restarts=1)
     with GRPOLoop(MODEL, letter_reward, prompts, config, partial(torch.optim.AdamW, lr=1e-2), trainer_recovery=recovery,
                   **common) as loop:

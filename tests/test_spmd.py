@@ -92,6 +92,7 @@ print(f"rank {rank}/{dist.get_world_size()} local {os.environ['LOCAL_RANK']} gra
 if "fail" in sys.argv and rank == 1:
     raise ValueError("boom on rank 1")
 dist.barrier()                                    # rank 0 waits here for a rank that died
+del model                                         # DDP's reducer goes before its process group (else gloo may abort at exit)
 dist.destroy_process_group()
 """
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from ..errors import SupervisionError
 from ..mesh import ActorMesh, ProcMesh
 from ..parallel import (ElasticTrainer, Plan, Recovery, Trainer, gather_state_dict, spawn_elastic_trainer,
                         spawn_trainer)
@@ -147,7 +148,7 @@ class GRPOLoop:
         """One trainer step; its StepFigures. Without recovery a lost rank raises its SupervisionError."""
         if self._elastic is not None:
             return self._elastic.step_figures(batch, self.timeout_s)
-        return list(self._trainer.step_figures.call(batch).get(timeout=self.timeout_s).values())[0]
+        return _first_reply(list(self._trainer.step_figures.stream(batch)), self.timeout_s)
 
     def _own(self, procs: ProcMesh) -> ProcMesh:
         self._owned.append(procs)
@@ -268,6 +269,37 @@ class GRPOLoop:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+#: after a rank's error, how long to wait for a supervision error from another rank that may explain it
+FAILURE_GRACE_S = 3.0
+
+
+def _first_reply(replies: list[Any], timeout_s: float) -> Any:
+    """The first rank's value once every rank replied; else the error that explains the failure.
+
+    A rank that dies leaves its peers' collectives failing (gloo's RuntimeError)
+    often before the death itself is reported, so after a first error the other
+    replies get ``FAILURE_GRACE_S`` to bring the SupervisionError that names the
+    lost rank, which is raised in preference.
+    """
+    deadline = time.monotonic() + timeout_s
+    errors: list[BaseException] = []
+    for reply in replies:
+        left = deadline - time.monotonic()
+        if errors:
+            left = min(left, FAILURE_GRACE_S)
+        try:
+            reply.get(timeout=max(0.0, left))
+        except TimeoutError:
+            if not errors:
+                raise TimeoutError(f"a trainer step did not finish within {timeout_s}s") from None
+            break
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise next((e for e in errors if isinstance(e, SupervisionError)), errors[0])
+    return replies[0].get(timeout=0)
 
 
 def _pad(inputs: Any, targets: Any, multiple: int) -> tuple[Any, Any]:
