@@ -4,9 +4,11 @@ supervision event may kill the test runner."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -179,3 +181,26 @@ def bridged_namespaces(count: int, prefix: str) -> Iterator[Bridged]:
         for port in b.ports:
             ip("link", "del", port)
         ip("link", "del", b.bridge)
+
+
+def run_controller(tmp_path: Any, script: str, args: list[str], timeout: float) -> dict[str, Any]:
+    """Run a controller script (``python script *args``) in a session of its own, killed if it outlives
+    ``timeout``; its ``RESULT {json with "phase"}`` lines as ``phase -> figures``. Fails the test if it failed."""
+    path = tmp_path / "controller.py"
+    path.write_text(script)
+    proc = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+    phases = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            phases[r.pop("phase")] = r
+    assert proc.returncode == 0, f"controller failed ({proc.returncode}):\n{err[-4000:]}"
+    print(json.dumps(phases, indent=1))  # the figures, shown with -s or on failure
+    return phases

@@ -6,17 +6,14 @@ Skipped with the reason where namespaces cannot be made.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Bridged, bridged_namespaces
+from conftest import Bridged, bridged_namespaces, run_controller
 
 _COMMON = textwrap.dedent(
     """
@@ -237,24 +234,8 @@ def one_host() -> Iterator[Bridged]:
 
 
 def _run(tmp_path: Path, script: str, net: Bridged, timeout: float) -> dict[str, Any]:
-    path = tmp_path / "controller.py"
-    path.write_text(script)
-    proc = subprocess.Popen([sys.executable, str(path), net.namespaces[0], net.net], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
-    phases = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            phases[r.pop("phase")] = r
-    assert proc.returncode == 0, f"controller failed ({proc.returncode}):\n{err[-4000:]}"
-    print(json.dumps(phases, indent=1))  # the figures, shown with -s or on failure
-    return phases
+    """Run a controller script; argv: the namespace, the /24."""
+    return run_controller(tmp_path, script, [net.namespaces[0], net.net], timeout)
 
 
 @pytest.mark.timeout(90)

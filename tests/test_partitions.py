@@ -9,17 +9,13 @@ itself at the moments that matter, and prints one RESULT line per phase);
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Bridged, bridged_namespaces
+from conftest import Bridged, bridged_namespaces, run_controller
 
 LINK_TIMEOUT = 4.0
 
@@ -196,25 +192,8 @@ def two_hosts() -> Iterator[Bridged]:
 
 def _run(tmp_path: Path, script: str, net: Bridged | None, timeout: float) -> dict[str, Any]:
     """Run a controller script; argv: namespaces, [host ports..., bridge], the /24."""
-    path = tmp_path / "controller.py"
-    path.write_text(script)
     args = [",".join(net.namespaces), ",".join([*net.ports, net.bridge]), net.net] if net is not None else []
-    proc = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
-    phases = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            phases[r.pop("phase")] = r
-    assert proc.returncode == 0, f"controller failed ({proc.returncode}):\n{err[-4000:]}"
-    print(json.dumps(phases, indent=1))  # the figures, shown with -s or on failure
-    return phases
+    return run_controller(tmp_path, script, args, timeout)
 
 
 @pytest.mark.timeout(240)
