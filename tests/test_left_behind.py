@@ -115,11 +115,10 @@ def test_a_message_to_a_pruned_dead_proc_fails_fast():
 
 
 def _call_raw(rt: Any, address: str) -> Any:
-    from actormesh.runtime import _messages as M
     from actormesh.runtime._ports import OnePort
 
     port = OnePort(rt, "small.pid", address)
-    rt.send(address, (M.CALL, "small", "pid", (rt.address, port.port_id), 0, (), ()), [b""])
+    rt.call_actor(address, "small", "pid", (rt.address, port.port_id), 0, (), (), [b""])
     return port.future
 
 

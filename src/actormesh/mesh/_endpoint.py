@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ..errors import SupervisionError
 from ..config import get_config
-from ..runtime import Future, GatherPort, gather, OnePort, Port, StreamPort, mark_if_self_call, messages as M, pick_random, split
+from ..runtime import Future, GatherPort, gather, OnePort, Port, StreamPort, mark_if_self_call, pick_random
 from ..telemetry import STATE as _TELEMETRY
 from ..telemetry import call_context
 from ..transport import dumps
@@ -77,21 +77,10 @@ class Endpoint(Generic[P, R]):
         """Cast to the whole view along a tree; return, per member, the address
         of the top-level subtree root that owes its reply."""
         mesh = self._mesh
-        rt = mesh._runtime()
         shape = mesh._shape
-        addrs, nxt = mesh._addresses, rt.seq_out.next
-        members = []
-        for i in range(len(shape)):
-            addr = addrs[shape.rank_at(i)]
-            members.append((i, addr, nxt(addr)))  # numbered by us, before fan-out
-        owed = [""] * len(members)
-        env_head = (M.CAST, mesh._mesh_name, self._prop.name, reply, shape.labels, shape.sizes, rt.address)
-        for chunk in split(members, get_config().max_cast_fanout):
-            root = chunk[0][1]
-            for m in chunk:
-                owed[m[0]] = root
-            rt.send(root, (*env_head, tuple(chunk)), payload)
-        return owed
+        addresses = [mesh._addresses[shape.rank_at(i)] for i in range(len(shape))]
+        return mesh._runtime().cast(mesh._mesh_name, self._prop.name, reply, shape.labels, shape.sizes, addresses, payload,
+                                    get_config().max_cast_fanout)
 
     def _use_tree(self) -> bool:
         return len(self._mesh._shape) > get_config().max_cast_fanout
@@ -103,9 +92,9 @@ class Endpoint(Generic[P, R]):
         labels, sizes = shape.labels, shape.sizes
         actor, ep, addrs = mesh._mesh_name, self._prop.name, mesh._addresses
         rank_at = shape.rank_at
-        send = rt.send
+        call = rt.call_actor
         for i in indices:
-            send(addrs[rank_at(i)], (M.CALL, actor, ep, reply, i, labels, sizes), payload)
+            call(addrs[rank_at(i)], actor, ep, reply, i, labels, sizes, payload)
 
     def _describe(self, index: int) -> str:
         return self._mesh._member(self._mesh._shape.rank_at(index))
@@ -160,7 +149,7 @@ class Endpoint(Generic[P, R]):
         rt = mesh._runtime()
         port = OnePort(rt, self._what, addr, lambda _: mesh._member(g), index)
         shape = mesh._shape
-        rt.send(addr, (M.CALL, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes), payload)
+        rt.call_actor(addr, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes, payload)
         mark_if_self_call(port.future, mesh._mesh_name, (addr,), self._what)
         return port.future
 

@@ -28,7 +28,6 @@ from ..runtime import (
     Port,
     current_runtime,
     endpoint,
-    messages as M,
     spawn_children,
     stop_children,
 )
@@ -231,10 +230,9 @@ def serve_agent(address: str, secret: bytes, controller: str | None = None, name
     set_runtime(rt)
     serve_gateway(rt)  # clients outside the job's network attach here (Monarch's attach())
     payload = dumps((HostAgent, (), {}))
-    env = (M.SPAWN, AGENT_NAME, 0, (), (), None, None, AGENT_NAME, f"<host_agent@{rt.address}>", False)
-    rt.send(rt.address, env, payload)
+    rt.spawn_actor(rt.address, AGENT_NAME, 0, (), (), None, None, f"<host_agent@{rt.address}>", False, payload)
     if controller:
-        rt.send(controller, (M.JOIN, rt.address, socket.gethostname(), os.getpid()))
+        rt.announce(controller, socket.gethostname(), os.getpid())
     return rt
 
 

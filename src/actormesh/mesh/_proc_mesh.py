@@ -27,7 +27,6 @@ from ..runtime import (
     context,
     current_runtime,
     gather,
-    messages as M,
     spawn_children,
     stop_children,
     when_done,
@@ -131,7 +130,7 @@ class ProcMesh(MeshTrait, TensorMethods):
         labels, sizes = shape.labels, shape.sizes
         for i, addr in enumerate(addresses):
             display = member_display(prefix, i, extent)
-            rt.send(addr, (M.SPAWN, mesh_name, i, labels, sizes, owner, reply, mesh_name, display, is_async), payload)
+            rt.spawn_actor(addr, mesh_name, i, labels, sizes, owner, reply, display, is_async, payload)
         record.describe = lambda r: member_display(prefix, r, extent)
         state = self._state
         proc_ranks = [shape.rank_at(i) for i in range(n)]
@@ -145,7 +144,7 @@ class ProcMesh(MeshTrait, TensorMethods):
                     raise RuntimeError(f"cannot restart {record.member(rank)}: its proc is gone and was not spawned here")
                 addresses[rank] = state.replace(proc_ranks[rank], addr)
             display = member_display(prefix, rank, extent)
-            rt.send(addresses[rank], (M.SPAWN, mesh_name, rank, labels, sizes, owner, None, mesh_name, display, is_async), payload)
+            rt.spawn_actor(addresses[rank], mesh_name, rank, labels, sizes, owner, None, display, is_async, payload)
 
         record.respawn = respawn
         mesh: ActorMesh[Any] = ActorMesh(Class, name, mesh_name, addresses, Shape.row_major(labels, sizes), prefix, extent, record, port.future)

@@ -49,17 +49,17 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
     from ..runtime import StreamPort
 
     port = StreamPort(rt, f"get_or_spawn_controller({name!r})", [rt.root_address])
-    rt.send(rt.root_address, (M.SINGLETON, name, (rt.address, port.port_id)), dumps((Class, args, kwargs)))
+    rt.ask_singleton(name, (rt.address, port.port_id), dumps((Class, args, kwargs)))
     return port.futures[0]
 
 
 def install_singleton_handler(rt: Any) -> None:
     """Serve get_or_spawn_controller requests from workers (root only)."""
 
-    def on_singleton(env: tuple[Any, ...], payload: Any) -> None:
+    def on_singleton(env: Any, payload: Any) -> None:
         from ..transport import loads
 
-        _, name, reply = env
+        name, reply = env.name, env.reply
 
         def work() -> None:
             try:

@@ -17,7 +17,6 @@ from ._actor import (
 )
 from ._attached import attach_gateway
 from ._channel import Channel, Port, PortReceiver
-from ._cast import split
 from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, set_runtime, shutdown_context
 from ._future import Future, gather, when_done
 from ._gateway import serve_gateway
@@ -51,7 +50,6 @@ __all__ = [
     "current_runtime",
     "runtime_started",
     "set_runtime",
-    "split",
     "enable_transport",
     "attach_gateway",
     "serve_gateway",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +112,7 @@ class AttachedRuntime(ProcRuntime):
         def first_frame(conn: Connection, segments: list[Segment]) -> None:
             conn.rebind(on_frame=self._on_gateway_frame, on_close=self._on_gateway_close)
             try:
-                env = pickle.loads(segments[0])
+                env = M.decode(segments[0])
             except Exception as exc:
                 env = exc
             if not acked.done():
@@ -142,7 +141,7 @@ class AttachedRuntime(ProcRuntime):
         except (TransportError, OSError) as exc:
             raise TransportError(f"attach({gateway!r}): cannot reach the gateway: {exc} (is a worker started with "
                                  "run_worker_loop_forever listening there, e.g. at the local end of a port-forward?)") from exc
-        conn.send([pickle.dumps((M.HELLO, "", self.pid, None, (ATTACH, os.urandom(8).hex())), 5)])
+        conn.send([M.encode(M.Hello(M.HELLO, "", self.pid, None, (ATTACH, os.urandom(8).hex())))])
         try:
             env = await asyncio.wait_for(acked, self.config.handshake_timeout)
         except asyncio.TimeoutError:
@@ -152,11 +151,11 @@ class AttachedRuntime(ProcRuntime):
         except TransportError:
             conn.close()
             raise
-        if type(env) is not tuple or len(env) < 4 or env[0] != M.HELLO or env[3] is not None or not env[1]:
+        if type(env) is not M.Hello or env.error is not None or not env.address:
             conn.close()
-            why = env[3] if type(env) is tuple and len(env) >= 4 and env[3] else f"unexpected answer {env!r}"
+            why = env.error if type(env) is M.Hello and env.error else f"unexpected answer {env!r}"
             raise TransportError(f"attach({gateway!r}): the gateway refused this client: {why}")
-        self.address = self.root_address = env[1]
+        self.address = self.root_address = env.address
         self._routes[self.address] = LocalRoute(self, self.address, self._dispatch)
         log.info("attached to the gateway at %s as %s", gateway, self.address)
         return _Duplex(conn, gateway)
@@ -183,12 +182,12 @@ class AttachedRuntime(ProcRuntime):
 
     def _on_gateway_frame(self, conn: Connection, segments: list[Segment]) -> None:
         try:
-            env = pickle.loads(segments[0])
+            env = M.decode(segments[0])
         except Exception as exc:
             log.warning("dropping a frame from the gateway at %s: bad envelope (%s)", self.attached_via, exc)
             return
-        if env[0] == M.RELAY_LOST:
-            self.peer_gone(env[1], env[2])
+        if env.kind == M.RELAY_LOST:
+            self.peer_gone(env.address, env.reason)
         elif len(segments) == 2 and type(segments[1]) is LostPayload:
             payload_lost(self, env, segments[1].error)
         else:

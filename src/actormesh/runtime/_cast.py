@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ..transport import Segment, dumps
 from . import _messages as M
@@ -20,9 +20,10 @@ from . import _messages as M
 __all__ = ["split", "handle_cast", "RelayPort", "tree_stats"]
 
 Member = tuple[int, str, int]  # (message index, address, sequence number)
+T = TypeVar("T")
 
 
-def split(members: Sequence[Member], fanout: int) -> list[list[Member]]:
+def split(members: Sequence[T], fanout: int) -> list[list[T]]:
     """Cut ``members`` into at most ``fanout`` contiguous, near-equal chunks."""
     n = len(members)
     if n == 0:
@@ -116,7 +117,7 @@ class RelayPort:
         for index, status, payload in self._entries:
             entries.append((index, status, len(payload)))
             segments.extend(payload)
-        rt.send(self.parent[0], (M.REPLY_MULTI, self.parent[1], tuple(entries), rt.address), segments)
+        rt.reply_many(self.parent, tuple(entries), segments)
 
 
 def handle_cast(rt: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
@@ -134,9 +135,9 @@ def handle_cast(rt: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> No
         relay = RelayPort(rt, reply, [m[0] for m in members], owed_by)
         reply_here = (here, relay.port_id)
     for chunk in chunks:
-        rt.send(chunk[0][1], (M.CAST, actor, endpoint, reply_here, labels, sizes, sender, tuple(chunk)), payload, forwarded=True)
+        rt.send(chunk[0][1], M.Cast(M.CAST, actor, endpoint, reply_here, labels, sizes, sender, tuple(chunk)), payload)  # keeps its numbers
     if mine and len(payload) > 1:
         # Forwarded buffers may still be in flight: the local actor gets its own copy.
         payload = [payload[0], *(bytearray(s) for s in payload[1:])]
     for index, _, seq in mine:
-        rt._reorder.push((sender, actor), seq, (M.CALL, actor, endpoint, reply_here, index, labels, sizes, sender, seq), payload)
+        rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, endpoint, reply_here, index, labels, sizes, sender, seq), payload)

@@ -70,19 +70,20 @@ def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
 class Cell(AsyncCell, CellFigures):
     """One actor instance and the thread that runs it."""
 
-    def __init__(self, runtime: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        (_, name, rank, labels, sizes, owner, reply, mesh_name, display, is_async) = env
+    def __init__(self, runtime: Any, env: M.Spawn, payload: Sequence[Segment]) -> None:
+        name = env.actor
         self.runtime = runtime
         self.name = name
-        self.rank_raw = (rank, tuple(labels), tuple(sizes))
-        self.owner = owner
-        self.mesh_name = mesh_name
-        self.display = display
-        self.is_async = is_async
+        self.rank_raw = (env.rank, tuple(env.labels), tuple(env.sizes))
+        self.owner = env.owner
+        #: The actor mesh this member belongs to: its actors are named after it.
+        self.mesh_name = name
+        self.display = env.display
+        is_async = self.is_async = env.is_async
         self.status = "init"
         self.cause: str | None = None
         self._spawn_payload = payload
-        self._spawn_reply = reply
+        self._spawn_reply = env.reply
         self.instance: Any = None
         self._endpoints: dict[str, Any] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -101,7 +102,7 @@ class Cell(AsyncCell, CellFigures):
         else:
             self._queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
             target = self._run_sync
-        self.thread = threading.Thread(target=target, name=f"actor-{name}-{rank}", daemon=True)
+        self.thread = threading.Thread(target=target, name=f"actor-{name}-{env.rank}", daemon=True)
         self.thread.start()
 
     # -- loop thread side ---------------------------------------------------------------
@@ -381,7 +382,7 @@ class Cell(AsyncCell, CellFigures):
         self.cause = Cause.of(cause, CauseKind.RAISED).reworded(cause.rstrip())
         owner = self.owner
         if owner is not None:
-            self.runtime.send(owner[0], (M.FAILURE, owner[1], self.mesh_name, self.rank_raw[0], self.cause, self.display, self.runtime.address))
+            self.runtime.report_failure(owner, self.mesh_name, self.rank_raw[0], self.cause, self.display)
         if reply is not None and reply[0] is not None:
             self.runtime.reply(reply[0], reply[1], M.SUPERVISION, dumps(self.dead_text()))
         if run_cleanup and not self.is_async:
@@ -393,15 +394,15 @@ class Cell(AsyncCell, CellFigures):
 def install(runtime: Any) -> None:
     """Teach a runtime to create cells on SPAWN."""
 
-    def on_spawn(env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        name = env[1]
+    def on_spawn(env: M.Spawn, payload: Sequence[Segment]) -> None:
+        name = env.actor
         old = runtime.actors.get(name)
         if old is not None and old.status == "failed":
             del runtime.actors[name]  # a restart replaces a failed member in place
             if _TELEMETRY.on:
                 FIGURES.restarted(name)
         if name in runtime.actors:
-            runtime.reply(env[6], env[2], M.SUPERVISION, dumps(f"an actor named {name!r} already exists on {runtime.address}"))
+            runtime.reply(env.reply, env.rank, M.SUPERVISION, dumps(f"an actor named {name!r} already exists on {runtime.address}"))
             return
         runtime.actors[name] = Cell(runtime, env, payload)
 

@@ -47,7 +47,7 @@ class Port(Generic[R]):
     def send(self, obj: R) -> None:
         """Send one value to the receiver (fire and forget, in order)."""
         rt = self._rt()
-        rt.send(self._address, (M.REPLY, self._port_id, self._rank or 0, M.OK, rt.address), dumps(obj))
+        rt.reply((self._address, self._port_id), self._rank or 0, M.OK, dumps(obj))
 
     def exception(self, exc: BaseException) -> None:
         """Make the receiver's ``recv()`` raise ``exc`` itself."""
@@ -57,7 +57,7 @@ class Port(Generic[R]):
             payload = dumps((PortableException(exc), formatted))
         except TypeError:
             payload = dumps((RuntimeError(repr(exc)), formatted))
-        rt.send(self._address, (M.REPLY, self._port_id, self._rank or 0, M.ERROR, rt.address), payload)
+        rt.reply((self._address, self._port_id), self._rank or 0, M.ERROR, payload)
 
     @property
     def ref(self) -> tuple[str, int]:

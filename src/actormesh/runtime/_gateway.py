@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -89,7 +88,7 @@ def refuse_relay(conn: Connection, env: Envelope) -> None:
 
 def _refuse(conn: Connection, why: str) -> None:
     try:
-        conn.send([pickle.dumps((M.HELLO, "", 0, why), 5)])
+        conn.send([M.encode(M.Hello(M.HELLO, "", 0, why))])
     except TransportError:
         return
     conn.close()
@@ -111,7 +110,7 @@ class Gateway:
 
     def on_hello(self, conn: Connection, env: Envelope) -> None:
         """A connection's HELLO asked for a relay: take the connection over."""
-        request = env[4]
+        request = env.extra
         ok = type(request) is tuple and len(request) == 2 and request[0] in (ATTACH, TO)
         uid = request[1] if ok else None
         if not ok or type(uid) is not str or not _UID.fullmatch(uid):
@@ -122,14 +121,14 @@ class Gateway:
             if uid in self.sessions:
                 _refuse(conn, f"a client named {uid} is attached already")
                 return
-            self.sessions[uid] = session = _Session(self, uid, conn, env[2])
+            self.sessions[uid] = session = _Session(self, uid, conn, env.pid)
             session.start()
             return
         session = self.sessions.get(uid)
         if session is None:  # that client detached: the proc learns it as a lost connection
             _refuse(conn, f"no client {via_address(uid, self.runtime.address)} is attached to this gateway")
             return
-        session.leg_in(conn, env[1])
+        session.leg_in(conn, env.address)
 
 
 class _Session:
@@ -150,7 +149,7 @@ class _Session:
         self.closed = False
 
     def start(self) -> None:
-        self.conn.send([pickle.dumps((M.HELLO, self.address, self.rt.pid, None), 5)])
+        self.conn.send([M.encode(M.Hello(M.HELLO, self.address, self.rt.pid, None))])
         self.conn.tag = self.address
         self.conn.rebind(on_frame=self.from_client, on_close=self.client_closed)
         # The gateway's own messages to the client (replies, host-agent events) take the duplex.
@@ -165,14 +164,14 @@ class _Session:
             return
         env_bytes, dest = segments[0], segments[1]
         if type(dest) is LostPayload:  # we ran out taking it in: fail that one message
-            env = pickle.loads(env_bytes)
+            env = M.decode(env_bytes)
             exc = ResourceExhaustedError(f"gateway {self.rt.name} (pid {self.rt.pid}) {dest.error}", getattr(dest.error, "resource", ""))
             self.rt._fail_reply(env, M.ERROR, error_payload(exc))
             log.warning("a %r message relayed from %s lost its payload: %s", env[0], self.address, exc)
             return
         destination = bytes(dest).decode()
         if destination == self.rt.address:
-            self.rt.route(destination).send(pickle.loads(env_bytes), segments[2:])
+            self.rt.route(destination).send(M.decode(env_bytes), segments[2:])
             return
         self.forward(destination, [env_bytes, *segments[2:]])
 
@@ -217,14 +216,14 @@ class _Session:
         leg.tag = destination
         self.all_legs.add(leg)
         # Says it is the client: the proc answers over this leg, and never dials the client.
-        leg.send([pickle.dumps((M.HELLO, self.address, self.client_pid, None, *relay), 5)])
+        leg.send([M.encode(M.Hello(M.HELLO, self.address, self.client_pid, None, relay[0] if relay else None))])
         for frame in self.dialing.pop(destination, []):
             leg.send(frame)
         self.legs[destination] = leg
 
     def _undeliverable(self, frames: Sequence[list[Segment]], destination: str, reason: str) -> None:
         for frame in frames:
-            self.rt.undeliverable(pickle.loads(frame[0]), destination, reason)
+            self.rt.undeliverable(M.decode(frame[0]), destination, reason)
 
     # -- procs -> client ------------------------------------------------------------------
     def leg_in(self, conn: Connection, source: str) -> None:
@@ -245,7 +244,7 @@ class _Session:
 
     def _lost_payload(self, source: str, env_bytes: Segment, error: Any) -> None:
         """A frame for the client lost its payload here: the client gets an error in its place."""
-        env = pickle.loads(env_bytes)
+        env = M.decode(env_bytes)
         exc = ResourceExhaustedError(f"gateway {self.rt.name} (pid {self.rt.pid}) {error}", getattr(error, "resource", ""))
         log.warning("a %r message from %s to %s lost its payload: %s", env[0], source, self.address, exc)
         if env[0] == M.REPLY:
@@ -265,7 +264,7 @@ class _Session:
 
     def lost(self, peer: str, reason: str) -> None:
         try:
-            self.conn.send([pickle.dumps((M.RELAY_LOST, peer, reason), 5)])
+            self.conn.send([M.encode(M.RelayLost(M.RELAY_LOST, peer, reason))])
         except TransportError:
             pass
 

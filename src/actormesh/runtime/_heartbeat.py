@@ -13,7 +13,6 @@ and ends when the runtime closes or :meth:`Heartbeat.stop` is called.
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ log = logging.getLogger("actormesh.spawn")
 
 __all__ = ["Heartbeat"]
 
-_PING = pickle.dumps((M.PING,), 5)
+_PING = M.PING_BYTES
 
 
 class Heartbeat:

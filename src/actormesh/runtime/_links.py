@@ -33,7 +33,6 @@ shorter than ``link_timeout`` is invisible: TCP delivers what was in flight.
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -49,7 +48,7 @@ log = logging.getLogger("actormesh.links")
 
 __all__ = ["LinkWatch", "silent_links"]
 
-_PING = pickle.dumps((M.PING,), 5)
+_PING = M.PING_BYTES
 
 
 def silent_links(

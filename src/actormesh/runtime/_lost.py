@@ -69,7 +69,7 @@ def payload_lost(rt: ProcRuntime, env: Envelope, error: Any) -> None:
         _, actor, endpoint, reply, labels, sizes, sender, members = env
         for index, address, seq in members:
             if address == rt.address:
-                rt._reorder.push((sender, actor), seq, (M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
+                rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
             elif reply is not None:
                 rt.reply(reply, index, M.ERROR, error_payload(exc))
         if reply is None:
@@ -77,12 +77,12 @@ def payload_lost(rt: ProcRuntime, env: Envelope, error: Any) -> None:
     elif kind == M.REPLY:
         handler = rt.ports.get(env[1])
         if handler is not None:
-            handler.deliver((M.REPLY, env[1], env[2], M.ERROR, env[4]), error_payload(exc))
+            handler.deliver(env._replace(status=M.ERROR), error_payload(exc))
     elif kind == M.REPLY_MULTI:
         handler = rt.ports.get(env[1])
         if handler is not None:
             for index, _status, _n in env[2]:
-                handler.deliver((M.REPLY, env[1], index, M.ERROR, env[3]), error_payload(exc))
+                handler.deliver(M.Reply(M.REPLY, env.port, index, M.ERROR, env.sender), error_payload(exc))
     else:
         rt._fail_reply(env, M.ERROR, error_payload(exc))
         log.warning("a %r message lost its payload: %s", kind, exc)

@@ -1,32 +1,23 @@
-"""Envelope kinds and layouts. Envelopes are small tuples of builtins, pickled plainly;
-user payloads travel as separate segments after them (see transport._frames).
+"""The messages processes send each other: one named type per kind, and their wire form.
 
-Layouts (index 0 is the kind):
+Every message is a ``NamedTuple`` whose field 0 is its ``kind``. On the wire it
+is the plain tuple of its fields (pickled with builtins only, so no class
+reference travels and the envelope stays as small as a bare tuple); ``decode``
+gives it its type back from the kind. User payloads travel as separate segments
+after the envelope (see transport._frames).
 
-- CALL        (kind, actor, endpoint, reply, msg_index, msg_labels, msg_sizes, sender, seq)
-- REPLY       (kind, port_id, index, status, sender)       status: OK | ERROR | SUPERVISION
-- SPAWN       (kind, actor, rank, spawn_labels, spawn_sizes, owner, reply, mesh_name, display, is_async)
-- STOP_ACTOR  (kind, actor, reply, index, sender, seq)
-- CAST        (kind, actor, endpoint, reply, msg_labels, msg_sizes, sender, members)
-              members: ((msg_index, address, seq), ...) of the subtree this node handles
-- REPLY_MULTI (kind, port_id, ((index, status, nseg), ...), sender)  replies of a subtree,
-              their payload segments concatenated in entry order
+Only the runtime builds envelopes: the mesh layer calls the verbs of
+``ProcRuntime`` (``call_actor``, ``cast``, ``spawn_actor``, ``stop_actor`` ...).
 
-``(sender, seq)`` of CALL and STOP_ACTOR are appended by ``ProcRuntime.send``
-(see _ordering.py); callers build the envelope without them.
-- STOP_PROC   (kind, reply)
-- HELLO       (kind, address, pid, error[, relay | RESTART]) ``relay`` asks a gateway to relay (see _gateway.py);
-              RESTART: the dialer had given this peer up (unreachable) and numbers its messages afresh
-- FAILURE     (kind, owner_actor, mesh_name, rank, cause, display, source_address)
-- SINGLETON   (kind, name, reply)                          get_or_spawn_controller lookup at the root
-- PING / PONG (kind,)                                      liveness probe from a spawner and its answer
-- JOIN        (kind, address, hostname, pid)               a host agent announces itself to a controller
-- RELAY_LOST  (kind, address, reason)                      gateway -> attached client: its leg to ``address`` is gone
-- STATS       (kind, reply)                                ask a process for its telemetry snapshot (see _stats.py)
-
-``reply`` is a port reference ``(address, port_id)`` or None. ``owner`` is an actor
-reference ``(address, actor_name)``.
+``reply`` is a port reference ``(address, port_id)`` or None. ``owner`` is an
+actor reference ``(address, actor_name)``. ``(sender, seq)`` of ``Call`` and
+``StopActor`` number messages per destination actor (see _ordering.py).
 """
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, NamedTuple, Optional, Union
 
 CALL = 0
 REPLY = 1
@@ -44,7 +35,7 @@ REPLY_MULTI = 12
 RELAY_LOST = 13
 STATS = 14
 
-#: HELLO's last field from a dialer that revived the peer (see _peers.revive).
+#: HELLO's ``extra`` from a dialer that revived the peer (see _peers.revive).
 RESTART = "restart"
 
 OK = 0
@@ -54,3 +45,202 @@ SUPERVISION = 2
 #: Payloads with out-of-band data above this wait until the kernel has the bytes
 #: before the sender goes on, so the sender may change its tensor afterwards.
 BIG_PAYLOAD_BYTES = 1 << 20
+
+PortRef = tuple[str, int]
+ActorRef = tuple[str, str]
+#: One member of a cast: (message index, address, sequence number).
+Member = tuple[int, str, int]
+
+
+class Call(NamedTuple):
+    """Run ``endpoint`` of the local actor ``actor`` as mesh member ``index``."""
+
+    kind: int
+    actor: str
+    endpoint: str
+    reply: Optional[PortRef]
+    index: int
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
+    sender: Optional[str] = None
+    seq: Optional[int] = None
+
+
+class Reply(NamedTuple):
+    """The answer for reply index ``index`` of port ``port`` (status: OK | ERROR | SUPERVISION)."""
+
+    kind: int
+    port: int
+    index: int
+    status: int
+    sender: str
+
+
+class ReplyMulti(NamedTuple):
+    """The replies of a cast subtree: ``entries`` are ``(index, status, nseg)``, their
+    payload segments concatenated in entry order."""
+
+    kind: int
+    port: int
+    entries: tuple[tuple[int, int, int], ...]
+    sender: str
+
+
+class Spawn(NamedTuple):
+    """Create member ``rank`` of the actor mesh ``actor`` here (the payload holds class and arguments)."""
+
+    kind: int
+    actor: str
+    rank: int
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
+    owner: Optional[ActorRef]
+    reply: Optional[PortRef]
+    display: str
+    is_async: bool
+
+
+class StopActor(NamedTuple):
+    """Stop the local actor ``actor`` after what it has queued; answer ``reply`` as ``index``."""
+
+    kind: int
+    actor: str
+    reply: Optional[PortRef]
+    index: int
+    sender: Optional[str] = None
+    seq: Optional[int] = None
+
+
+class Cast(NamedTuple):
+    """A call to many members along a tree: ``members`` is the subtree this node handles."""
+
+    kind: int
+    actor: str
+    endpoint: str
+    reply: Optional[PortRef]
+    labels: tuple[str, ...]
+    sizes: tuple[int, ...]
+    sender: str
+    members: tuple[Member, ...]
+
+
+class StopProc(NamedTuple):
+    kind: int
+    reply: Optional[PortRef]
+
+
+class Hello(NamedTuple):
+    """A connection's first frame: who dialed. ``error``: why it cannot serve (its
+    bootstrap failed). ``extra``: a relay request for a gateway (see _gateway.py), or
+    RESTART (the dialer had given this peer up and numbers its messages afresh)."""
+
+    kind: int
+    address: str
+    pid: int
+    error: Optional[str]
+    extra: Any = None
+
+
+class Failure(NamedTuple):
+    """Member ``rank`` of ``mesh_name``, owned by the actor ``owner_actor`` here, failed."""
+
+    kind: int
+    owner_actor: str
+    mesh_name: str
+    rank: int
+    cause: Any
+    display: str
+    source: str
+
+
+class Singleton(NamedTuple):
+    """get_or_spawn_controller lookup at the root (the payload holds class and arguments)."""
+
+    kind: int
+    name: str
+    reply: PortRef
+
+
+class Ping(NamedTuple):
+    """Liveness probe from a spawner; answered by ``Pong``."""
+
+    kind: int
+
+
+class Pong(NamedTuple):
+    kind: int
+
+
+class Join(NamedTuple):
+    """A host agent announces itself to a controller."""
+
+    kind: int
+    address: str
+    hostname: str
+    pid: int
+
+
+class RelayLost(NamedTuple):
+    """Gateway -> attached client: its leg to ``address`` is gone."""
+
+    kind: int
+    address: str
+    reason: Any
+
+
+class Stats(NamedTuple):
+    """Ask a process for its telemetry snapshot (see _stats.py)."""
+
+    kind: int
+    reply: PortRef
+
+
+Message = Union[Call, Reply, ReplyMulti, Spawn, StopActor, Cast, StopProc, Hello, Failure, Singleton, Ping, Pong, Join, RelayLost, Stats]
+
+_BY_KIND: dict[int, type] = {
+    CALL: Call,
+    REPLY: Reply,
+    SPAWN: Spawn,
+    STOP_ACTOR: StopActor,
+    STOP_PROC: StopProc,
+    HELLO: Hello,
+    FAILURE: Failure,
+    SINGLETON: Singleton,
+    PING: Ping,
+    PONG: Pong,
+    JOIN: Join,
+    CAST: Cast,
+    REPLY_MULTI: ReplyMulti,
+    RELAY_LOST: RelayLost,
+    STATS: Stats,
+}
+# kind -> (type, number of fields): decode checks the length once, so a field read
+# never meets a short tuple.
+_LAYOUT = {kind: (cls, len(cls._fields)) for kind, cls in _BY_KIND.items()}
+_new = tuple.__new__
+_loads = pickle.loads
+_dumps = pickle.dumps
+
+
+def encode(msg: tuple[Any, ...]) -> bytes:
+    """The wire form of a message: its fields as a plain tuple, pickled."""
+    return _dumps(tuple(msg), 5)
+
+
+def decode(data: Any) -> Any:
+    """A message from its wire form; ValueError if it is not one (a protocol error)."""
+    t = _loads(data)
+    layout = _LAYOUT.get(t[0]) if type(t) is tuple and t else None
+    if layout is None:
+        raise ValueError(f"not a message: {type(t).__name__}")
+    cls, n = layout
+    if len(t) != n:
+        if cls is Hello and len(t) == n - 1:
+            return Hello(*t)  # peers send ``extra`` only when they have one
+        raise ValueError(f"a {cls.__name__} message with {len(t)} fields, not {n}")
+    return _new(cls, t)
+
+
+#: The liveness probe and its answer, encoded once.
+PING_BYTES = encode(Ping(PING))
+PONG_BYTES = encode(Pong(PONG))

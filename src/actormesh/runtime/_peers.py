@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from typing import TYPE_CHECKING
 
 from ..errors import AuthenticationError, Cause, CauseKind, TransportError
@@ -70,8 +69,8 @@ async def dial(rt: ProcRuntime, route: Route) -> None:
         peer_gone(rt, route.address, _unreachable(f"the process at {route.address} is unreachable: {type(exc).__name__}: {exc}", exc))
         return
     conn.tag = route.address
-    restart = (M.RESTART,) if route.restart and not relay else ()
-    conn.send([pickle.dumps((M.HELLO, rt.address, rt.pid, rt.hello_error, *relay, *restart), 5)])
+    extra = relay[0] if relay else (M.RESTART if route.restart else None)
+    conn.send([M.encode(M.Hello(M.HELLO, rt.address, rt.pid, rt.hello_error, extra))])
     route.publish(conn)
 
 
@@ -83,8 +82,8 @@ def hello(rt: ProcRuntime, conn: Connection, env: tuple) -> None:
     used before, if we still hold it, is replaced (its close, whenever we see
     it, is then no longer this peer's loss).
     """
-    address = env[1]
-    restart = len(env) > 4 and env[4] == M.RESTART
+    address = env.address
+    restart = env.extra == M.RESTART
     if restart:
         rt._reorder.forget(address)
         rt.seq_out.forget(address)

@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import logging
 import os
-import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from ._links import LinkWatch
 from ._peers import connection_closed, dial, hello, peer_gone, revive, table_sizes
 from ._routes import LocalRoute, Route
 from ._threads import ThreadGroup
+from ._verbs import Verbs
 
 log = logging.getLogger("actormesh.runtime")
 
@@ -39,8 +39,9 @@ Envelope = tuple[Any, ...]
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
 
 
-class ProcRuntime:
-    """Everything one OS process needs to take part in a job.
+class ProcRuntime(Verbs):
+    """Everything one OS process needs to take part in a job. Its verbs (``call_actor``,
+    ``cast``, ``spawn_actor``, ``stop_actor``, ``reply`` ...: _verbs.py) are the messages it sends.
 
     ``address`` is where peers reach this process. ``root_address`` is the
     controller's (for process-wide singletons); ``parent_address`` the process
@@ -173,32 +174,6 @@ class ProcRuntime:
             self._routes[address] = r
         return r
 
-    def send(self, address: str, env: Envelope, payload: Sequence[Segment] = (), *, forwarded: bool = False) -> None:
-        """Send an envelope (and payload segments) to a process. Any thread.
-
-        Actor-directed messages (CALL, STOP_ACTOR) get ``(sender, seq)`` appended:
-        the destination releases them in that order whatever path they took. A
-        cast that starts here has its members numbered as it leaves; one passed
-        on by a tree node (``forwarded``) keeps the numbers its origin gave.
-        """
-        r = self._routes.get(address)
-        if r is None:
-            r = self.route(address)
-        kind = env[0]
-        if kind in _SEQUENCED and r.dead is None:  # a dead peer gets no counter back
-            env = (*env, self.address, self.seq_out.next(address, env[1]))
-        elif kind == M.CAST and not forwarded and env[6] == self.address and r.dead is None:
-            env = self._number_cast(env)
-        r.send(env, payload)
-
-    def _number_cast(self, env: Envelope) -> Envelope:
-        """Number the members of a cast that starts here, per destination actor, as
-        they leave: each member's number then sits in the same sequence as a direct
-        call to that actor (see _ordering.py)."""
-        actor, nxt = env[1], self.seq_out.next
-        members = tuple((index, address, nxt(address, actor)) for index, address, _ in env[7])
-        return (*env[:7], members)
-
     def messages_sent(self) -> int:
         """Messages this process has sent to other processes so far (all routes)."""
         return sum(r.sent for r in list(self._routes.values()) if isinstance(r, Route))
@@ -281,11 +256,6 @@ class ProcRuntime:
         if s is not None:
             s.discard(handler)
 
-    def reply(self, port: tuple[str, int] | None, index: int, status: int, payload: Sequence[Segment]) -> None:
-        """Send a reply to a port reference (no-op for None)."""
-        if port is not None:
-            self.send(port[0], (M.REPLY, port[1], index, status, self.address), payload)
-
     def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
         """A message could not reach ``address``: fail the reply it asked for."""
         port, index = reply_port(env)
@@ -301,18 +271,18 @@ class ProcRuntime:
     # -- receiving --------------------------------------------------------------------------
     def _on_frame(self, conn: Connection, segments: list[Segment]) -> None:
         try:
-            env = pickle.loads(segments[0])
+            env = M.decode(segments[0])
         except Exception as exc:
             log.warning("closing connection from %s: bad envelope (%s)", conn.peer_name, exc)
             conn._abort(ProtocolError("bad envelope"))
             return
         if conn.tag is None:
-            if type(env) is not tuple or not env or env[0] != M.HELLO:
+            if env.kind != M.HELLO:
                 log.warning("closing connection from %s: first frame was not HELLO", conn.peer_name)
                 conn._abort(ProtocolError("no HELLO"))
                 return
-            conn.tag = env[1]
-            if len(env) > 4 and env[4] != M.RESTART:  # asks to be relayed: a gateway takes the connection over
+            conn.tag = env.address
+            if env.extra is not None and env.extra != M.RESTART:  # asks to be relayed: a gateway takes the connection over
                 return self.relay(conn, env)
             if self.on_hello is not None and self.on_hello(conn, env):
                 return
@@ -353,7 +323,7 @@ class ProcRuntime:
                 self.on_singleton(env, payload)
         elif kind == M.PING:
             if conn is not None:
-                conn.send([pickle.dumps((M.PONG,), 5)])
+                conn.send([M.PONG_BYTES])
         elif kind == M.JOIN:
             for hook in list(self.on_join):
                 hook(env[1], env[2], env[3])

@@ -9,7 +9,6 @@ route's lock, so nothing overtakes what was queued earlier.
 
 from __future__ import annotations
 
-import pickle
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -99,7 +98,7 @@ class Route:
                 return
         big = _payload_bytes(payload) >= BIG_PAYLOAD_BYTES
         try:
-            event = conn.send([pickle.dumps(env, 5), *payload], wait_flushed=big, order_key=order_key(env))
+            event = conn.send([M.encode(env), *payload], wait_flushed=big, order_key=order_key(env))
         except TransportError as exc:
             self._runtime.undeliverable(env, self.address, Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc))
             return
@@ -114,7 +113,7 @@ class Route:
                 return
             pending, self._pending = self._pending, []
             for env, payload in pending:
-                conn.send([pickle.dumps(env, 5), *payload], order_key=order_key(env))
+                conn.send([M.encode(env), *payload], order_key=order_key(env))
             self.conn = conn
             self.connecting = False
 

@@ -30,7 +30,6 @@ from typing import Any
 
 from ..errors import Cause, CauseKind
 from ..transport import dumps
-from . import _messages as M
 from ._future import Future, gather
 from ._launch import ProcCommand, default_command
 from ._heartbeat import Heartbeat
@@ -286,7 +285,7 @@ def stop_children(runtime: Any, children: Sequence[ChildProc], timeout_s: float)
     def begin() -> None:
         for child in remaining:
             child.stopping = True
-            runtime.send(child.address, (M.STOP_PROC, None))
+            runtime.stop_proc(child.address)
         runtime.loop.call_later(timeout_s, lambda: [_kill(c) for c in remaining])
 
     runtime.loop.call_soon_threadsafe(begin)

@@ -118,7 +118,7 @@ def gather_stats(rt: Any, addresses: Sequence[str], timeout_s: float) -> list[di
             ports.append(None)
             continue
         port = OnePort(rt, "stats", addr)
-        rt.send(addr, (M.STATS, (rt.address, port.port_id)))
+        rt.ask_stats(addr, (rt.address, port.port_id))
         ports.append(port)
     deadline = time.monotonic() + timeout_s
     out: list[dict[str, Any] | None] = []

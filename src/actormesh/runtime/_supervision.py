@@ -168,7 +168,7 @@ def kill_proc(runtime: Any, address: str) -> None:
             pass
         return
     runtime.expect_gone(address)
-    runtime.send(address, (M.STOP_PROC, None))
+    runtime.stop_proc(address)
 
 
 def stop_mesh(runtime: Any, record: MeshRecord, reason: str) -> Any:
@@ -181,7 +181,7 @@ def stop_mesh(runtime: Any, record: MeshRecord, reason: str) -> Any:
     waiter = _StopWaiter(runtime, record, get_config().cleanup_timeout + STOP_MARGIN_S)
     reply = (runtime.address, waiter.port_id)
     for i, addr in enumerate(waiter.addresses):
-        runtime.send(addr, (M.STOP_ACTOR, record.name, reply, i))
+        runtime.stop_actor(addr, record.name, reply, i)
 
     def arm() -> None:
         runtime.loop.call_later(waiter.timeout_s, waiter.expire)
