@@ -40,6 +40,7 @@ from ._train_elastic import ElasticTrainer, Recovery, TrainingFailed, spawn_elas
 from ._train_figures import StepFigures
 from ._train_options import LRSchedule, TrainOptions, TrainOptionsError
 from ._publish import PublishedWeights, resolve_weights
+from ._staging import StagedWeights, WeightStaging
 from ._trainer import Trainer, gather_state_dict, publish_weights, spawn_trainer
 
 __all__ = [
@@ -85,6 +86,8 @@ __all__ = [
     "publish_weights",
     "PublishedWeights",
     "resolve_weights",
+    "StagedWeights",
+    "WeightStaging",
     "partition",
     "spawn_trainer",
 ]

@@ -2,29 +2,41 @@
 
 Why: pushing new weights to generator replicas through the controller copies
 every byte through it (gathered in, sent out to each replica). Here every
-trainer rank snapshots the pieces of the weights it holds (its FSDP and TP
-shards; a whole tensor where it is not sharded) into one flat buffer of its
-own and registers it with :class:`actormesh.rdma.RDMABuffer`: no gather, no
+trainer rank copies the pieces of the weights it holds (its FSDP and TP
+shards; a whole tensor where it is not sharded) into a flat buffer of its own
+registered with :class:`actormesh.rdma.RDMABuffer`: no gather, no
 communication between the ranks. Only the small handles and the layout (each
 piece's name, global shape and offset) travel, as a
-:class:`PublishedWeights`; a reader pulls every rank's buffer straight from
-its memory, all ranks at once (one kernel copy each on one host, a bulk
-stream across hosts), and assembles the full tensors. A piece held by
-several ranks (data-parallel replicas, replicated placements) is published
-by one of them only. A rank keeps its last two publications alive, so a
-reader that got the previous handle can still read it while the next one is
-being announced.
+:class:`PublishedWeights`; a reader pulls every rank's pieces straight from
+its memory into the rows of the full tensors they belong to, all ranks at
+once (one scatter copy by the kernel per rank on one host, a bulk stream
+across hosts). A piece held by several ranks (data-parallel replicas,
+replicated placements) is published by one of them only.
+
+Theory of operation (versions): a rank keeps two flat buffers and publishes
+into them in turn, so the previous publication stays readable while the next
+one is announced, and no memory is allocated (or page-faulted) after the
+first two. Each buffer starts with a header word, the *stamp* of the
+publication it holds. Before a buffer is overwritten its stamp is set to 0;
+after the copy, to the new publication's random stamp. A reader reads the
+pieces, then the stamp again: only if it is still the one its handle names
+did no byte change during the read. A reader that was too slow (the trainer
+published twice meanwhile) gets ``BufferDroppedError``, never a mix of two
+versions.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import os
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["PublishedWeights", "Publisher", "resolve_weights"]
 
 _ALIGN = 64  # each piece starts on a multiple of this many bytes (any dtype can view it)
+_HEADER = _ALIGN  # the stamp (int64) at offset 0, then the pieces
 
 #: name, dtype, global shape, this piece's shape, its offset in the global tensor, byte offset, nbytes
 Piece = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int]
@@ -35,12 +47,22 @@ Layout = list[Piece]
 class PublishedWeights:
     """Handles to a full model's weights in a trainer's memory: picklable, a few KiB.
 
-    ``fetch()`` reads every part and returns the full state dict. ``nbytes``
-    is the size of what a fetch reads.
+    ``fetch()`` reads every part and returns the full state dict;
+    ``read_into(dests)`` reads them straight into tensors the caller owns.
+    ``nbytes`` is the size of what a fetch reads. ``stamps`` (one per part)
+    let a reader check that the trainer did not overwrite the part while it
+    read (see the module's docstring).
     """
 
     version: int
     parts: tuple[tuple[Any, Layout], ...]  #: (RDMABuffer, layout) per publishing rank
+    stamps: tuple[int, ...] = ()
+
+    @classmethod
+    def from_replies(cls, version: int, replies: list[Any]) -> PublishedWeights:
+        """From the ranks' :meth:`Publisher.publish` results (``None`` from a rank with nothing to publish)."""
+        kept = [r for r in replies if r is not None]
+        return cls(version, tuple((buf, layout) for buf, layout, _ in kept), tuple(stamp for _, _, stamp in kept))
 
     @property
     def nbytes(self) -> int:
@@ -50,26 +72,101 @@ class PublishedWeights:
         """The weights' names (without reading them)."""
         return sorted({piece[0] for _, layout in self.parts for piece in layout})
 
-    def fetch(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        """Read the weights here (every part at once); RDMAError (OwnerGoneError, ...) if a publishing rank is gone."""
+    def meta(self) -> dict[str, Any]:
+        """Every weight as a tensor on the meta device (name, shape, dtype; no bytes), for checks before a read."""
         import torch
 
-        locals_ = [torch.empty(buf.size(), dtype=torch.uint8) for buf, _ in self.parts]
-        reads = [buf.read_into(local, timeout=timeout_s) for (buf, _), local in zip(self.parts, locals_)]
+        out: dict[str, Any] = {}
+        for _, layout in self.parts:
+            for name, dtype, shape, *_ in layout:
+                out.setdefault(name, torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+        return out
+
+    def fetch(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Read the weights here (every part at once) into new tensors; RDMAError (OwnerGoneError, ...)
+        if a publishing rank is gone, BufferDroppedError if it published twice more meanwhile."""
+        import torch
+
+        out = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in self.meta().items()}
+        self.read_into(out, timeout_s)
+        return out
+
+    def read_into(self, dests: Mapping[str, Any], timeout_s: float = 300.0) -> None:
+        """Read the weights named in ``dests`` into them (full-shape CPU tensors; other weights are not read).
+
+        A piece of the same dtype that fills whole rows of its tensor (an FSDP
+        or row-wise shard, or the whole tensor) lands in place with no copy of
+        our own; any other piece goes through a temporary. Raises ValueError
+        (before reading) for a name that was not published or a shape that
+        differs, or if the pieces do not cover a tensor; RDMAError as ``fetch``.
+        """
+        meta = self.meta()
+        for name, dst in dests.items():
+            if name not in meta:
+                raise ValueError(f"{name!r} was not published (published: {len(meta)} weights, e.g. {sorted(meta)[:3]})")
+            if tuple(dst.shape) != tuple(meta[name].shape):
+                raise ValueError(f"{name!r} was published with shape {tuple(meta[name].shape)}, the destination's is {tuple(dst.shape)}")
+        plans = [_plan_reads(layout, dests) for _, layout in self.parts]
+        _check_covered(dests, [covered for _, _, covered in plans])
+        reads = [buf.read_ranges(ranges, timeout=timeout_s) for (buf, _), (ranges, _, _) in zip(self.parts, plans)]
         for read in reads:
             read.get(timeout=timeout_s + 5)
-        out: dict[str, Any] = {}
-        for (_, layout), local in zip(self.parts, locals_):
-            for name, dtype, shape, piece_shape, offset, start, nbytes in layout:
-                piece = local[start:start + nbytes].view(getattr(torch, dtype)).view(piece_shape)
-                if piece_shape == shape:  # a whole tensor: a view of the part, no copy
-                    out[name] = piece
-                    continue
-                full = out.get(name)
-                if full is None:
-                    full = out[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-                full[tuple(slice(o, o + n) for o, n in zip(offset, piece_shape))].copy_(piece)
-        return out
+        self._check_stamps(timeout_s)
+        for _, later, _ in plans:
+            for temp, dst, index, dtype, shape in later:
+                dst[index].copy_(temp.view(dtype).view(shape))
+
+    def _check_stamps(self, timeout_s: float) -> None:
+        import torch
+
+        from ..rdma import BufferDroppedError
+
+        for (buf, _), stamp in zip(self.parts, self.stamps):
+            word = torch.zeros(1, dtype=torch.int64)
+            buf.read_ranges([(0, word)], timeout=timeout_s).get(timeout=timeout_s + 5)
+            if int(word) != stamp:
+                raise BufferDroppedError(f"weights version {self.version}: {buf.owner} published newer weights over them while they were "
+                                         "read (a reader must finish before the trainer publishes twice more); read the newer version",
+                                         owner=buf.owner)
+
+
+def _plan_reads(layout: Layout, dests: Mapping[str, Any]) -> tuple[list[Any], list[Any], dict[str, int]]:
+    """One part's reads: ``(offset, dst bytes)`` ranges, the pieces to copy in afterwards, elements covered per name."""
+    import torch
+
+    ranges: list[tuple[int, Any]] = []
+    later: list[Any] = []
+    covered: dict[str, int] = {}
+    for name, dtype_name, shape, piece_shape, offset, start, nbytes in layout:
+        dst = dests.get(name)
+        if dst is None:
+            continue
+        dtype = getattr(torch, dtype_name)
+        covered[name] = covered.get(name, 0) + _numel(piece_shape)
+        rows = all(o == 0 for o in offset[1:]) and tuple(piece_shape[1:]) == tuple(shape[1:])
+        if rows and dst.dtype == dtype and dst.is_contiguous() and nbytes:
+            row = _numel(shape[1:]) if len(shape) > 1 else 1
+            first = offset[0] * row if shape else 0
+            ranges.append((start, dst.view(-1)[first:first + _numel(piece_shape)].view(torch.uint8)))
+            continue
+        temp = torch.empty(nbytes, dtype=torch.uint8)
+        ranges.append((start, temp))
+        later.append((temp, dst, tuple(slice(o, o + n) for o, n in zip(offset, piece_shape)), dtype, piece_shape))
+    return ranges, later, covered
+
+
+def _check_covered(dests: Mapping[str, Any], covered: list[dict[str, int]]) -> None:
+    for name, dst in dests.items():
+        got = sum(c.get(name, 0) for c in covered)
+        if got != dst.numel():
+            raise ValueError(f"the published pieces of {name!r} hold {got} of its {dst.numel()} elements (a rank's part is missing)")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _pieces(state: dict[str, Any]) -> list[tuple[str, Any, tuple[int, ...], tuple[int, ...]]]:
@@ -94,44 +191,68 @@ def _pieces(state: dict[str, Any]) -> list[tuple[str, Any, tuple[int, ...], tupl
 
 
 class Publisher:
-    """One rank's side: snapshot its pieces into a registered buffer; keeps the last two alive."""
+    """One rank's side: copy its pieces into the older of two registered buffers (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._kept: deque[Any] = deque(maxlen=2)
+        self._slots: list[tuple[Any, Any]] = []  #: (RDMABuffer, flat uint8 tensor), at most two
+        self._turn = 0  # the slot the next publication overwrites
+        self._fence = threading.Lock()  # acquired between the stamp and the bytes: a full memory barrier
 
-    def publish(self, state: dict[str, Any], first_copy: bool = True) -> tuple[Any, Layout] | None:
-        """Register this rank's pieces of ``state`` (tensors or DTensors); the handle and layout, or None.
+    def publish(self, state: dict[str, Any], first_copy: bool = True) -> tuple[Any, Layout, int] | None:
+        """Publish this rank's pieces of ``state`` (tensors or DTensors): ``(buffer, layout, stamp)``, or None.
 
         ``first_copy``: this rank holds the first copy of its plain
         (not DTensor) tensors (e.g. data-parallel rank 0); others skip them.
+        Not thread-safe: one publication at a time per rank.
         """
         import torch
-
-        from ..rdma import RDMABuffer
-
         from torch.distributed.tensor import DTensor
 
         pieces = [p for p in _pieces(state) if first_copy or isinstance(state[p[0]], DTensor)]
         if not pieces:
             return None
         layout: Layout = []
-        offset = 0
+        offset = _HEADER
         for name, local, shape, global_offset in pieces:
             nbytes = local.numel() * local.element_size()
             layout.append((name, str(local.dtype).removeprefix("torch."), shape, tuple(local.shape), global_offset, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        flat = torch.empty(max(offset, 1), dtype=torch.uint8)
+        buffer, flat = self._slot(offset)
+        stamp_word = flat[:8].view(torch.int64)
+        stamp_word.fill_(0)  # readers of the publication this slot held now fail their check
+        with self._fence:
+            pass
         for (_, local, _, _), (*_, start, nbytes) in zip(pieces, layout):
             flat[start:start + nbytes].copy_(local.detach().reshape(-1).cpu().view(torch.uint8))
-        buffer = RDMABuffer(flat)
-        self._kept.append((buffer, flat))  # the oldest kept one is dropped by the deque (its memory freed)
-        return buffer, layout
+        stamp = int.from_bytes(os.urandom(8), "little") >> 1 | 1  # positive int64, never 0
+        with self._fence:
+            pass
+        stamp_word.fill_(stamp)
+        return buffer, layout, stamp
+
+    def _slot(self, nbytes: int) -> tuple[Any, Any]:
+        """The slot to overwrite, reallocated when the size changed (a new model or plan)."""
+        import torch
+
+        from ..rdma import RDMABuffer
+
+        turn, self._turn = self._turn, 1 - self._turn
+        if turn < len(self._slots) and self._slots[turn][1].numel() == nbytes:
+            return self._slots[turn]
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+        # Registered before its first write: registration asks for huge pages, which only
+        # memory faulted in later gets (and a same-host reader copies from those twice as fast).
+        slot = (RDMABuffer(flat), flat)
+        if turn < len(self._slots):
+            self._slots[turn][0].drop()
+            self._slots[turn] = slot
+        else:
+            self._slots.append(slot)
+        return slot
 
 
 def resolve_weights(weights: Any) -> Any:
     """A state dict from what a caller may give: a state dict, a path (read), or :class:`PublishedWeights` (fetched)."""
-    import os
-
     from ._replica import read_weights
 
     if isinstance(weights, (str, os.PathLike)):

@@ -100,12 +100,15 @@ def _hf_names(chunk: Any, state: Mapping[str, Any]) -> Mapping[str, Any]:
     return state
 
 
-def _weight_copies(chunks: Sequence[Any], state: Mapping[str, Any]) -> list[tuple[Any, Any]]:
-    """(destination, source) pairs for every parameter and buffer; ValueError naming what does not fit."""
-    import torch
-    from torch.distributed.tensor import DTensor, distribute_tensor
+def weight_targets(chunks: Sequence[Any], state: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(name, source, destination)`` for every parameter and buffer of the chunks (sources from
+    ``state``, which may hold meta tensors: only names and shapes are looked at).
 
-    copies = []
+    Raises ValueError naming the first entry that is missing or has another shape.
+    """
+    import torch
+
+    out = []
     for chunk in chunks:
         named = _hf_names(chunk, state)
         targets = chunk.state_dict(keep_vars=True)
@@ -117,17 +120,29 @@ def _weight_copies(chunks: Sequence[Any], state: Mapping[str, Any]) -> list[tupl
             src = named[name]
             if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"weights[{name!r}] has shape {tuple(getattr(src, 'shape', ()))}, the model's is {tuple(dst.shape)}")
-            if isinstance(dst, DTensor):
-                local = distribute_tensor(src.detach().to(dst.dtype), dst.device_mesh, dst.placements, src_data_rank=None).to_local()
-                copies.append((dst.to_local(), local))
-            else:
-                copies.append((dst.data if isinstance(dst, torch.nn.Parameter) else dst, src))
-    return copies
+            out.append((name, src, dst))
+    return out
+
+
+def shard_of(dst: Any, src: Any) -> tuple[Any, Any]:
+    """``(memory to copy into, what to copy)`` for one full tensor ``src`` and a (DTensor) parameter or buffer."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(dst, DTensor):
+        local = distribute_tensor(src.detach().to(dst.dtype), dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+        return dst.to_local(), local
+    return (dst.data if isinstance(dst, torch.nn.Parameter) else dst), src
+
+
+def _weight_copies(chunks: Sequence[Any], state: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """(destination, source) pairs for every parameter and buffer; ValueError naming what does not fit."""
+    return [shard_of(dst, src) for _, src, dst in weight_targets(chunks, state)]
 
 
 def check_weights(chunks: Sequence[Any], state: Mapping[str, Any]) -> None:
     """Raise ValueError if :func:`load_weights` would refuse ``state`` for these chunks (nothing is copied)."""
-    _weight_copies(chunks, state)
+    weight_targets(chunks, state)
 
 
 def load_weights(chunks: Sequence[Any], state: Mapping[str, Any]) -> None:

@@ -257,7 +257,7 @@ class Trainer(Actor):
     @endpoint
     def publish_weights(self) -> Any:
         """This rank's pieces of the weights (its shards; plain tensors on data-parallel rank 0),
-        snapshot into one RDMA buffer: ``(buffer, layout)`` or None. See :func:`publish_weights`."""
+        copied into one of its two RDMA buffers: ``(buffer, layout, stamp)`` or None. See :func:`publish_weights`."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from ._publish import Publisher
@@ -384,8 +384,7 @@ def publish_weights(trainer: ActorMesh[Trainer], version: int = 0, timeout: floa
     its ``fetch()`` reads the bytes straight from the trainer's ranks and
     assembles the full tensors, so the controller never carries them.
     """
-    parts = [p for p in trainer.publish_weights.call().get(timeout=timeout).values() if p is not None]
-    return PublishedWeights(version, tuple(parts))
+    return PublishedWeights.from_replies(version, list(trainer.publish_weights.call().get(timeout=timeout).values()))
 
 
 def gather_state_dict(trainer: ActorMesh[Trainer], timeout: float = 300.0) -> dict[str, Any]:

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 from ._errors import BufferDroppedError, OwnerGoneError, RDMAError
 from ._memory import host_id, memmove, proc_start_time
 from ._registry import Registration, registry
-from ._vm import vm_copy, vm_read_u64, vm_supported
+from ._vm import vm_copy, vm_copy_many, vm_read_u64, vm_supported
 
-__all__ = ["BufferHandle", "Backend", "Unusable", "backends_for", "chunk_bytes", "forced_backend", "BACKENDS", "on_chunk", "register_backend"]
+__all__ = ["BufferHandle", "Backend", "Unusable", "backends_for", "read_many", "chunk_bytes", "forced_backend", "BACKENDS", "on_chunk", "register_backend"]
 
 _NAMES = ("auto", "local", "vm", "shm", "tcp")
 
@@ -189,8 +189,29 @@ class VmBackend:
     def read(self, handle: BufferHandle, offset: int, local: int, nbytes: int, deadline: float) -> None:
         self._copy(handle, offset, local, nbytes, write=False)
 
+    def read_many(self, handle: BufferHandle, ranges: list[tuple[int, int, int]], deadline: float) -> None:
+        """Several ``(offset, local, nbytes)`` reads in one scatter list (one system call per 1024)."""
+        self._check_slot(handle)
+        try:
+            vm_copy_many(handle.pid, [(local, handle.address + offset, n) for offset, local, n in ranges], write=False,
+                         chunk=chunk_bytes(1 << 30), on_chunk=_progress(self.name))
+        except OSError as exc:
+            self._raise(handle, exc)
+        self._check_slot(handle)  # a drop or exit during the copy may have torn it
+
     def write(self, handle: BufferHandle, offset: int, local: int, nbytes: int, deadline: float) -> None:
         self._copy(handle, offset, local, nbytes, write=True)
+
+
+def read_many(backend: Backend, handle: BufferHandle, ranges: list[tuple[int, int, int]], deadline: float) -> None:
+    """``(offset, local, nbytes)`` reads through ``backend``: its own ``read_many`` when it has one
+    (optional: a scatter list in one operation), else one ``read`` per range."""
+    many = getattr(backend, "read_many", None)
+    if many is not None:
+        return many(handle, ranges, deadline)
+    for offset, local, nbytes in ranges:
+        backend.read(handle, offset, local, nbytes, deadline)
+    return None
 
 
 BACKENDS: dict[str, Backend] = {}

@@ -24,14 +24,14 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..runtime import Future, current_actor_name, current_runtime
-from ._backends import BACKENDS, BufferHandle, Unusable, backends_for, forced_backend, same_host
+from ._backends import BACKENDS, BufferHandle, Unusable, backends_for, forced_backend, read_many, same_host
 from ._client import drop_remote
 from ._errors import BufferDroppedError, RDMAError, RDMAReadTransferWarning, RDMATcpFallbackWarning, RDMAWriteTransferWarning
-from ._memory import Region, host_id, proc_start_time, region_of
+from ._memory import Region, advise_huge_pages, host_id, proc_start_time, region_of
 from ._registry import registry
 from ._server import ensure_server
 from ._vm import vm_supported
@@ -41,6 +41,8 @@ __all__ = ["RDMABuffer", "get_rdma_backend", "same_host_backend", "is_rdma_avail
 
 #: Transfers up to this size over ``local``/``vm`` run in the caller's thread (see ``_start``).
 INLINE_MAX_BYTES = 1 << 20
+#: CPU buffers from this size on get transparent huge pages for memory touched after registration.
+HUGE_PAGES_MIN_BYTES = 4 << 20
 _INLINE_BACKENDS = ("local", "vm")
 
 
@@ -139,6 +141,8 @@ class RDMABuffer:
             import torch
 
             torch.cuda.synchronize(region.keep.device)  # its bytes must be in memory before anyone reads
+        elif region.nbytes >= HUGE_PAGES_MIN_BYTES:
+            advise_huge_pages(region.address, region.nbytes)
         rt = current_runtime()
         server = ensure_server(lambda: current_runtime().secret, registry)
         owner = current_actor_name()
@@ -217,6 +221,47 @@ class RDMABuffer:
                           RDMAReadTransferWarning, stacklevel=2)
         return self._start(local, self.size(), write=False, timeout=_check_timeout(timeout))
 
+    def read_ranges(self, ranges: Sequence[tuple[int, Any]], *, timeout: float = 60) -> Future[None]:
+        """Copy several parts of the buffer, each into its own local memory, as one transfer.
+
+        ``ranges``: ``(offset, dst)`` pairs; bytes ``offset .. offset + len(dst)``
+        of the buffer land in ``dst`` (a 1-D contiguous CPU tensor or
+        memoryview). Same host, the whole list is one scatter copy by the
+        kernel (one system call per 1024 ranges): reading a model's tensors
+        straight into their places costs no more than one ``read_into``.
+        Raises ValueError at once for a range outside the buffer or a
+        read-only or non-CPU ``dst``; the future fails as ``read_into``'s does.
+        """
+        regions = []
+        for offset, dst in ranges:
+            local = region_of(dst, role="dst", allow_empty=True)
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + local.nbytes > self.size():
+                raise ValueError(f"range at offset {offset!r} of {local.nbytes} bytes is outside the RDMA buffer of {self.size()} bytes")
+            if local.readonly or not local.is_cpu:
+                raise ValueError(f"read_ranges needs writable CPU memory, got {'read-only' if local.readonly else local.device} dst")
+            regions.append((offset, local))
+        deadline = time.monotonic() + _check_timeout(timeout)
+        if self._dropped:
+            return self._dropped_here()
+        if sum(local.nbytes for _, local in regions) <= INLINE_MAX_BYTES and self._inline_ok():
+            try:  # small and same host: here, as in _start
+                self._transfer_ranges(regions, deadline)
+            except Exception as exc:
+                return Future._failed(exc)
+            return Future._completed(None)
+        return submit(lambda: self._transfer_ranges(regions, deadline))
+
+    def _transfer_ranges(self, regions: list[tuple[int, Region]], deadline: float) -> None:
+        ranges = [(offset, local.address, local.nbytes) for offset, local in regions if local.nbytes]
+        for backend in backends_for(self._handle):
+            try:
+                read_many(backend, self._handle, ranges, deadline)
+            except Unusable:
+                continue
+            self._backend = backend.name
+            return None
+        raise RDMAError(f"no RDMA backend could reach the buffer of {self._handle.describe_owner()}", owner=self.owner)
+
     def write_from(self, src: Any, *, timeout: float = 60) -> Future[None]:
         """Copy all of ``src`` (a 1-D contiguous tensor or memoryview) into the start of the buffer.
 
@@ -235,8 +280,7 @@ class RDMABuffer:
 
     def _start(self, local: Region, nbytes: int, *, write: bool, timeout: float) -> Future[None]:
         if self._dropped:
-            h = self._handle
-            return Future._failed(BufferDroppedError(f"this RDMA buffer ({h.nbytes} bytes, owned by {h.describe_owner()}) was dropped; it cannot be used", owner=h.owner))
+            return self._dropped_here()
         deadline = time.monotonic() + timeout
         if nbytes <= INLINE_MAX_BYTES and local.is_cpu and self._inline_ok():
             # A small same-host copy takes less time than handing it to a thread
@@ -247,6 +291,10 @@ class RDMABuffer:
                 return Future._failed(exc)
             return Future._completed(None)
         return submit(lambda: self._transfer(local, nbytes, write, deadline))
+
+    def _dropped_here(self) -> Future[None]:
+        h = self._handle
+        return Future._failed(BufferDroppedError(f"this RDMA buffer ({h.nbytes} bytes, owned by {h.describe_owner()}) was dropped; it cannot be used", owner=h.owner))
 
     def _inline_ok(self) -> bool:
         try:

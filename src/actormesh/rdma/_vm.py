@@ -14,7 +14,10 @@ import errno
 import os
 from collections.abc import Callable
 
-__all__ = ["vm_copy", "vm_read_u64", "vm_supported"]
+__all__ = ["vm_copy", "vm_copy_many", "vm_read_u64", "vm_supported"]
+
+#: iovec entries one call may take (the kernel's UIO_MAXIOV)
+IOV_MAX = 1024
 
 
 class _IoVec(ctypes.Structure):
@@ -53,6 +56,44 @@ def vm_copy(pid: int, local: int, remote: int, nbytes: int, *, write: bool, chun
         if got == 0:
             raise OSError(errno.EFAULT, "process_vm copy made no progress")
         done += got
+        if on_chunk is not None:
+            on_chunk(done)
+
+
+def vm_copy_many(pid: int, pairs: list[tuple[int, int, int]], *, write: bool, chunk: int = 1 << 30,
+                 on_chunk: Callable[[int], None] | None = None) -> None:
+    """Copy many ``(local, remote, nbytes)`` ranges with as few system calls as possible.
+
+    Up to ``IOV_MAX`` ranges go in one call (a scatter/gather list on both
+    sides), so reading a hundred tensors costs a few calls, not a hundred.
+    Ranges over ``chunk`` bytes are cut so ``on_chunk(bytes_done)`` reports
+    progress at least that often. Raises OSError as :func:`vm_copy`.
+    """
+    fn = _fns.get(write)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv/writev are not available")
+    cut = [(loc + o, rem + o, min(chunk, n - o)) for loc, rem, n in pairs if n for o in range(0, n, chunk)]
+    done = 0
+    i = 0
+    while i < len(cut):
+        batch = cut[i:i + IOV_MAX]
+        liov = (_IoVec * len(batch))(*((loc, n) for loc, _, n in batch))
+        riov = (_IoVec * len(batch))(*((rem, n) for _, rem, n in batch))
+        got = fn(pid, liov, len(batch), riov, len(batch), 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        if got == 0:
+            raise OSError(errno.EFAULT, "process_vm copy made no progress")
+        done += got
+        # The kernel stops at an element boundary (or inside one on a fault): go on from there.
+        for loc, rem, n in batch:
+            if got >= n:
+                got -= n
+                i += 1
+                continue
+            cut[i] = (loc + got, rem + got, n - got)
+            break
         if on_chunk is not None:
             on_chunk(done)
 

@@ -24,8 +24,8 @@ class _Replica:
                  seed: int, pg_timeout_s: float) -> None:
         import torch
 
-        from ..parallel import (KVCache, StepRunner, build_chunk, check_inference_plan, hidden_size_of, replica_stages,
-                                stage_links, world_mesh)
+        from ..parallel import (KVCache, StepRunner, WeightStaging, build_chunk, check_inference_plan, hidden_size_of,
+                                replica_stages, stage_links, world_mesh)
 
         check_inference_plan(plan)
         with torch.device("meta"):
@@ -57,13 +57,17 @@ class _Replica:
         self.stages = [list(r) for r in ranges] if ranges is not None else None
         cache = KVCache(max_slots, self.max_context, probe.sliding_window)
         self.version = 0  #: the weight version this rank holds (0: the ones it was built with)
+        self.staging = WeightStaging([self.chunk])  #: the spare set published weights are read into
         self.runner = StepRunner(self.chunk, cache, self.device, links, compile=plan.compile)
 
     def load(self, weights: Any) -> None:
-        from ..parallel import load_weights, resolve_weights
+        """Install weights: staged ones are swapped in (no copy); others are read if needed and copied."""
+        from ..parallel import StagedWeights, load_weights, resolve_weights
 
-        state = resolve_weights(weights)
-        load_weights([self.chunk], state)
+        if isinstance(weights, StagedWeights):
+            self.staging.install(weights)
+            return
+        load_weights([self.chunk], resolve_weights(weights))
 
 
 def _seeded_weights(model_fn: Callable[[], Any], seed: int) -> dict[str, Any]:

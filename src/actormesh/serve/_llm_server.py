@@ -205,8 +205,8 @@ class LLMServer(Actor):
 
     @endpoint
     async def stage_weights(self, version: int, weights: Weights) -> None:
-        """Phase 1 of a swap, on every rank: read (a path), fetch (published weights) and check the new
-        weights, keep them beside the old.
+        """Phase 1 of a swap, on every rank: read (a path) or fetch (published weights, into the
+        replica's spare set) and check the new weights, keep them beside the old.
 
         Raises ValueError if they do not fit this rank's chunk; then nothing is staged.
         """
@@ -215,8 +215,11 @@ class LLMServer(Actor):
         if weights is None:
             raise ValueError("weights must be a state dict or a path to a weights file, got None")
         replica = self.replica
-        state = await asyncio.to_thread(_read_if_path, weights)
-        await asyncio.to_thread(check_weights, [replica.chunk], state)
+        if isinstance(weights, PublishedWeights):  # checked, then read straight into the spare set (no copy at the swap)
+            state = await asyncio.to_thread(replica.staging.stage, weights)
+        else:
+            state = await asyncio.to_thread(_read_if_path, weights)
+            await asyncio.to_thread(check_weights, [replica.chunk], state)
         with self._staged_lock:
             self._staged = {version: state}  # one swap at a time: a newer staging replaces an older one
 

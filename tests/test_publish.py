@@ -1,0 +1,119 @@
+"""Published weights: scatter reads, versions that never tear, and the double-buffered swap.
+
+The trainer-side end to end (FSDP shards from two ranks) is in test_rl.py;
+here the parts are checked one by one, in this process or against one proc.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from actormesh.actor import Actor, endpoint
+from actormesh.parallel import PublishedWeights, WeightStaging
+from actormesh.parallel._publish import Publisher
+from actormesh.rdma import BufferDroppedError, RDMABuffer
+
+
+class Holder(Actor):
+    """Owns one registered tensor of known bytes."""
+
+    @endpoint
+    def make(self, nbytes: int) -> RDMABuffer:
+        self.mem = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+        return RDMABuffer(self.mem)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["vm", "shm", "tcp"])
+def test_read_ranges_scatters_one_buffer_into_many_tensors(spawn_procs: Any, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    holder = spawn_procs(per_host={"gpus": 1}).spawn("holder", Holder)
+    nbytes = (3 << 20) + 5
+    buf = holder.make.call_one(nbytes).get(timeout=30)
+    expected = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    monkeypatch.setenv("ACTORMESH_RDMA_BACKEND", backend)
+    monkeypatch.setenv("ACTORMESH_RDMA_CHUNK_BYTES", str(64 * 1024 + 3))
+    ranges = [(0, torch.empty(7, dtype=torch.uint8)), (nbytes - 3, torch.empty(3, dtype=torch.uint8)),
+              (4096 + 1, torch.empty(2 << 20, dtype=torch.uint8)), (9, torch.empty(0, dtype=torch.uint8))]
+    buf.read_ranges(ranges, timeout=30).get(timeout=40)
+    assert buf.backend == backend
+    for offset, dst in ranges:
+        assert torch.equal(dst, expected[offset:offset + dst.numel()])
+    with pytest.raises(ValueError, match="outside"):
+        buf.read_ranges([(nbytes - 2, torch.empty(3, dtype=torch.uint8))])
+    with pytest.raises(ValueError, match="read-only"):
+        buf.read_ranges([(0, memoryview(bytes(4)))])
+
+
+def publish(publisher: Publisher, version: int, state: dict[str, Any]) -> PublishedWeights:
+    return PublishedWeights.from_replies(version, [publisher.publish(state)])
+
+
+def test_a_publication_is_read_into_place_until_it_is_published_over() -> None:
+    publisher = Publisher()
+    state = {"w": torch.randn(6, 4), "b": torch.randn(4), "n": torch.tensor(3.0)}
+    first = publish(publisher, 1, state)
+    dests = {k: torch.zeros_like(v) for k, v in state.items()}
+    first.read_into(dests)
+    assert all(torch.equal(dests[k], state[k]) for k in state)
+    assert sorted(first.fetch()) == sorted(state) == first.keys()
+    second = publish(publisher, 2, {k: v + 1 for k, v in state.items()})
+    first.read_into(dests)  # the previous version stays readable while the next one is announced
+    assert torch.equal(dests["w"], state["w"])
+    third = publish(publisher, 3, {k: v + 2 for k, v in state.items()})
+    # published over the first one's memory (two buffers in turn, nothing allocated after them)
+    assert third.parts[0][0]._handle.address == first.parts[0][0]._handle.address
+    with pytest.raises(BufferDroppedError, match="published newer weights"):
+        first.read_into(dests)
+    second.read_into(dests)
+    assert torch.equal(dests["w"], state["w"] + 1)
+
+
+def test_wrong_names_or_shapes_are_refused_before_a_byte_is_read() -> None:
+    published = publish(Publisher(), 1, {"w": torch.randn(6, 4)})
+    dst = torch.zeros(6, 4)
+    with pytest.raises(ValueError, match="'v' was not published"):
+        published.read_into({"w": dst, "v": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"shape \(6, 4\)"):
+        published.read_into({"w": torch.zeros(4, 6)})
+    assert dst.eq(0).all()
+
+
+def test_column_pieces_and_other_dtypes_are_assembled_through_a_temporary() -> None:
+    full = torch.arange(24, dtype=torch.float32).view(4, 6)
+    flat = torch.zeros(256, dtype=torch.uint8)
+    left, right = full[:, :3].contiguous(), full[:, 3:].contiguous()
+    flat[64:112].view(torch.float32).copy_(left.view(-1))
+    flat[128:176].view(torch.float32).copy_(right.view(-1))
+    layout = [("w", "float32", (4, 6), (4, 3), (0, 0), 64, 48), ("w", "float32", (4, 6), (4, 3), (0, 3), 128, 48)]
+    published = PublishedWeights(1, ((RDMABuffer(flat), layout),))
+    out = {"w": torch.zeros(4, 6, dtype=torch.float64)}
+    published.read_into(out)
+    assert torch.equal(out["w"], full.double())
+    with pytest.raises(ValueError, match="hold 12 of its 24 elements"):
+        PublishedWeights(1, ((RDMABuffer(flat), layout[:1]),)).read_into({"w": torch.zeros(4, 6)})
+
+
+def test_staged_weights_are_swapped_in_and_the_old_memory_is_reused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    staging = WeightStaging([model])
+    publisher = Publisher()
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    live = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    staged = staging.stage(publish(publisher, 1, new))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing changes before install
+    staging.install(staged)
+    assert all(torch.equal(v, new[k]) for k, v in model.state_dict().items())
+    newer = {k: v * 2 for k, v in new.items()}
+    staged = staging.stage(publish(publisher, 2, newer))
+    # the second update is read into the memory the first one replaced: no allocation, no page faults
+    assert {k: t.data_ptr() for k, t in staged.tensors.items()} == live
+    staging.install(staged)
+    assert all(torch.equal(v, newer[k]) for k, v in model.state_dict().items())
+    bad = dict(newer, **{"0.weight": torch.randn(3, 5)})
+    with pytest.raises(ValueError, match=r"weights\['0.weight'\] has shape \(3, 5\)"):
+        staging.stage(publish(publisher, 3, bad))
+    assert all(torch.equal(v, newer[k]) for k, v in model.state_dict().items())
