@@ -83,17 +83,17 @@ class RelayPort:
         self._entries.append((index, status, payload))
         return not self._missing
 
-    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+    def deliver(self, env: M.Reply, payload: Sequence[Segment]) -> None:
         with self._lock:
-            done = self._add(env[2], env[3], payload)
+            done = self._add(env.slot, env.status, payload)
         if done:
             self._finish()
 
-    def deliver_many(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+    def deliver_many(self, env: M.ReplyMulti, payload: Sequence[Segment]) -> None:
         done = False
         with self._lock:
             pos = 0
-            for index, status, nseg in env[2]:
+            for index, status, nseg in env.entries:
                 done = self._add(index, status, payload[pos : pos + nseg]) or done
                 pos += nseg
         if done:
@@ -120,9 +120,9 @@ class RelayPort:
         rt.reply_many(self.parent, tuple(entries), segments)
 
 
-def handle_cast(rt: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+def handle_cast(rt: Any, env: M.Cast, payload: Sequence[Segment]) -> None:
     """Deliver this node's members of a cast and forward the rest (loop thread)."""
-    _, actor, endpoint, reply, labels, sizes, sender, members = env
+    actor, reply, sender, members = env.actor, env.reply, env.sender, env.members
     here = rt.address
     mine = [m for m in members if m[1] == here]
     rest = [m for m in members if m[1] != here]
@@ -135,9 +135,9 @@ def handle_cast(rt: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> No
         relay = RelayPort(rt, reply, [m[0] for m in members], owed_by)
         reply_here = (here, relay.port_id)
     for chunk in chunks:
-        rt.send(chunk[0][1], M.Cast(M.CAST, actor, endpoint, reply_here, labels, sizes, sender, tuple(chunk)), payload)  # keeps its numbers
+        rt.send(chunk[0][1], env._replace(reply=reply_here, members=tuple(chunk)), payload)  # keeps its numbers
     if mine and len(payload) > 1:
         # Forwarded buffers may still be in flight: the local actor gets its own copy.
         payload = [payload[0], *(bytearray(s) for s in payload[1:])]
     for index, _, seq in mine:
-        rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, endpoint, reply_here, index, labels, sizes, sender, seq), payload)
+        rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, env.endpoint, reply_here, index, env.labels, env.sizes, sender, seq), payload)

@@ -43,7 +43,7 @@ from ..transport import Segment, dumps, loads
 from . import _messages as M
 from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of
 from ._channel import Port
-from ._cell_async import _STOP, _SUPERVISE, AsyncCell, _DropPort
+from ._cell_async import _STOP, _SUPERVISE, AsyncCell, Stop, Supervise, _DropPort
 from ._cell_figures import CellFigures, now
 from ._loop import new_event_loop
 
@@ -106,11 +106,11 @@ class Cell(AsyncCell, CellFigures):
         self.thread.start()
 
     # -- loop thread side ---------------------------------------------------------------
-    def post(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+    def post(self, env: M.Call | Stop | Supervise, payload: Sequence[Segment]) -> None:
         """Hand a message to the actor (loop thread). Dead actors answer at once."""
         with self._post_lock:
             # A STOP still goes in, so a failed actor's thread gets to end.
-            refuse = self._closed or (self.status in ("failed", "stopped") and env[0] != _STOP)
+            refuse = self._closed or (self.status in ("failed", "stopped") and env.kind != _STOP)
             if not refuse:
                 if self.is_async:
                     self._deque.append((env, payload))
@@ -140,11 +140,11 @@ class Cell(AsyncCell, CellFigures):
                     break
                 self._refuse(env)
 
-    def _refuse(self, env: tuple[Any, ...]) -> None:
-        if env[0] == M.CALL and env[3] is not None:
-            self.runtime.reply(env[3], env[4], M.SUPERVISION, dumps(self.dead_text()))
-        elif env[0] == _STOP and env[1] is not None:
-            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
+    def _refuse(self, env: M.Call | Stop | Supervise) -> None:
+        if env.kind == M.CALL and env.reply is not None:
+            self.runtime.reply(env.reply, env.member, M.SUPERVISION, dumps(self.dead_text()))
+        elif env.kind == _STOP and env.reply is not None:
+            self.runtime.reply(env.reply, env.slot, M.OK, dumps(None))
 
     def dead_text(self) -> Cause:
         """What callers of this dead actor are told (STOPPED, or the failure's Cause)."""
@@ -159,15 +159,15 @@ class Cell(AsyncCell, CellFigures):
         """
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.runtime.config.cleanup_timeout
-        self.post((_STOP, reply, None, index), ())
+        self.post(Stop(_STOP, reply, None, index), ())
 
     def request_stop(self, failure: str | None) -> None:
         """Stop (or abort with ``failure``) from the actor's own code."""
-        self.post((_STOP, None, failure, 0), ())
+        self.post(Stop(_STOP, None, failure, 0), ())
 
     def supervise(self, failure: MeshFailure) -> None:
         """Deliver a failure of a mesh this actor owns (loop thread)."""
-        self.post((_SUPERVISE, failure), ())
+        self.post(Supervise(_SUPERVISE, failure), ())
 
     def _wake(self) -> None:
         if self._wake_event is not None:
@@ -223,7 +223,7 @@ class Cell(AsyncCell, CellFigures):
         get = self._queue.get
         while True:
             env, payload = get()
-            kind = env[0]
+            kind = env.kind
             if not ok or self.status != "running":
                 if kind == _STOP:
                     self._refuse(env)
@@ -236,22 +236,23 @@ class Cell(AsyncCell, CellFigures):
                 self._stop(env)
                 return
             elif kind == _SUPERVISE:
-                self._supervise_sync(env[1])
+                self._supervise_sync(env.failure)
 
-    def _begin(self, env: tuple[Any, ...]) -> Any:
-        prop = self._endpoints.get(env[2])
+    def _begin(self, env: M.Call) -> Any:
+        name = env.endpoint
+        prop = self._endpoints.get(name)
         if prop is None:
-            fn = getattr(type(self.instance), env[2], None)
-            if callable(fn) and not env[2].startswith("_") and not isinstance(fn, type):
+            fn = getattr(type(self.instance), name, None)
+            if callable(fn) and not name.startswith("_") and not isinstance(fn, type):
                 # a plain method called through as_endpoint()
-                prop = self._endpoints[env[2]] = EndpointProperty(fn)
+                prop = self._endpoints[name] = EndpointProperty(fn)
         if prop is None:
-            raise AttributeError(f"{type(self.instance).__qualname__} has no endpoint named {env[2]!r}")
+            raise AttributeError(f"{type(self.instance).__qualname__} has no endpoint named {name!r}")
         return prop
 
-    def _call_sync(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        reply, index = env[3], env[4]
-        token = _message_rank.set((index, env[5], env[6]))
+    def _call_sync(self, env: M.Call, payload: Sequence[Segment]) -> None:
+        reply, index = env.reply, env.member
+        token = _message_rank.set((index, env.labels, env.sizes))
         explicit = False
         fig, scope = self.figures, None
         t0 = now() if fig is not None else 0.0
@@ -308,16 +309,16 @@ class Cell(AsyncCell, CellFigures):
         if not handled:
             self._fail(f"unhandled failure of an owned mesh: {failure.report()}")
 
-    def _stop(self, env: tuple[Any, ...]) -> None:
-        failure = env[2]
+    def _stop(self, env: Stop) -> None:
+        failure = env.failure
         if failure is not None:
             self._fail(str(failure))
             return
 
         def stopped() -> None:
             self.status = "stopped"
-            if env[1] is not None:
-                self.runtime.reply(env[1], env[3], M.OK, dumps(None))
+            if env.reply is not None:
+                self.runtime.reply(env.reply, env.slot, M.OK, dumps(None))
 
         self._cleanup(None, stopped)
 

@@ -13,7 +13,7 @@ import inspect
 import logging
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 from ..errors import Cause, CauseKind
 from ..transport import Segment, dumps, loads
@@ -24,9 +24,26 @@ from ._channel import Port
 
 log = logging.getLogger("actormesh.actor")
 
-#: Cell-internal envelope kinds (never on the wire).
+#: Cell-internal mailbox kinds (never on the wire), beside M.CALL.
 _STOP = -1
 _SUPERVISE = -2
+
+
+class Stop(NamedTuple):
+    """Mailbox item: stop after what is queued, answering slot ``slot`` of ``reply``;
+    with ``failure``, abort with it instead (the actor's own code asked)."""
+
+    kind: int  # _STOP
+    reply: Optional[M.PortRef]
+    failure: Optional[str]
+    slot: int
+
+
+class Supervise(NamedTuple):
+    """Mailbox item: a failure of a mesh this actor owns, for its ``__supervise__``."""
+
+    kind: int  # _SUPERVISE
+    failure: MeshFailure
 
 
 class _DropPort:
@@ -63,7 +80,7 @@ class AsyncCell:
                 self._idle = False
                 continue
             env, payload = dq.popleft()
-            kind = env[0]
+            kind = env.kind
             if not ok or self.status != "running":
                 self._refuse(env)
                 if kind == _STOP:
@@ -75,10 +92,10 @@ class AsyncCell:
                 await self._stop_async(env)
                 return
             elif kind == _SUPERVISE:
-                await self._supervise_async(env[1])
+                await self._supervise_async(env.failure)
 
-    async def _call_async(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        reply, index = env[3], env[4]
+    async def _call_async(self, env: M.Call, payload: Sequence[Segment]) -> None:
+        reply, index = env.reply, env.member
         try:
             prop = self._begin(env)
         except Exception as exc:
@@ -92,9 +109,9 @@ class AsyncCell:
             return
         await self._run_endpoint(prop, env, payload)
 
-    async def _run_endpoint(self, prop: Any, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        reply, index = env[3], env[4]
-        token = _message_rank.set((index, env[5], env[6]))
+    async def _run_endpoint(self, prop: Any, env: M.Call, payload: Sequence[Segment]) -> None:
+        reply, index = env.reply, env.member
+        token = _message_rank.set((index, env.labels, env.sizes))
         explicit = prop.explicit_response_port
         fig, scope = self.figures, None
         t0 = now() if fig is not None else 0.0
@@ -141,13 +158,13 @@ class AsyncCell:
         if not handled:
             self._fail(f"unhandled failure of an owned mesh: {failure.report()}")
 
-    async def _stop_async(self, env: tuple[Any, ...]) -> None:
+    async def _stop_async(self, env: Stop) -> None:
         """Stop (or abort with a failure): cancel concurrent endpoints, then clean up.
 
         An abort reports the failure to the owner first. ``__cleanup__`` gets what
         is left of the stop deadline (``cleanup_timeout`` on a failure).
         """
-        failure = env[2]
+        failure = env.failure
         if failure is not None:
             self._fail(str(failure), run_cleanup=False)
         for task in list(self._tasks):
@@ -173,5 +190,5 @@ class AsyncCell:
         if failure is not None:
             return
         self.status = "stopped"
-        if env[1] is not None:
-            self.runtime.reply(env[1], env[3], M.OK, dumps(None))
+        if env.reply is not None:
+            self.runtime.reply(env.reply, env.slot, M.OK, dumps(None))

@@ -21,13 +21,13 @@ class CellFigures:
 
     figures: ActorFigures | None
 
-    def _trace_scope(self, msg: tuple[Any, ...], env: tuple[Any, ...]) -> EndpointScope | None:
+    def _trace_scope(self, msg: tuple[Any, ...], env: Any) -> EndpointScope | None:
         """The endpoint's span, child of the caller's ``call`` span whose context the message carried."""
         if not STATE.tracing:
             return None  # a traced caller, but this process does not trace: drop the context
         cls = getattr(self, "cls", None)
-        name = f"{cls.__qualname__ if cls is not None else self.display}.{env[2]}"  # type: ignore[attr-defined]
-        return EndpointScope(msg[2], name, self.display, env[4])  # type: ignore[attr-defined]
+        name = f"{cls.__qualname__ if cls is not None else self.display}.{env.endpoint}"  # type: ignore[attr-defined]
+        return EndpointScope(msg[2], name, self.display, env.member)  # type: ignore[attr-defined]
 
     @staticmethod
     def _handled(fig: ActorFigures | None, t0: float, scope: EndpointScope | None, exc: BaseException | None = None) -> None:

@@ -54,7 +54,7 @@ VIA = "via:"
 ATTACH = "attach"
 TO = "to"
 _UID = re.compile(r"[0-9a-f]{8,64}")
-Envelope = tuple[Any, ...]
+Envelope = Any  # a Message of any kind: code here branches on its .kind, which a type checker cannot narrow
 
 
 def via_address(uid: str, gateway: str) -> str:
@@ -167,7 +167,7 @@ class _Session:
             env = M.decode(env_bytes)
             exc = ResourceExhaustedError(f"gateway {self.rt.name} (pid {self.rt.pid}) {dest.error}", getattr(dest.error, "resource", ""))
             self.rt._fail_reply(env, M.ERROR, error_payload(exc))
-            log.warning("a %r message relayed from %s lost its payload: %s", env[0], self.address, exc)
+            log.warning("a %r message relayed from %s lost its payload: %s", type(env).__name__, self.address, exc)
             return
         destination = bytes(dest).decode()
         if destination == self.rt.address:
@@ -246,12 +246,12 @@ class _Session:
         """A frame for the client lost its payload here: the client gets an error in its place."""
         env = M.decode(env_bytes)
         exc = ResourceExhaustedError(f"gateway {self.rt.name} (pid {self.rt.pid}) {error}", getattr(error, "resource", ""))
-        log.warning("a %r message from %s to %s lost its payload: %s", env[0], source, self.address, exc)
-        if env[0] == M.REPLY:
-            self.rt.reply((self.address, env[1]), env[2], M.ERROR, error_payload(exc))
-        elif env[0] == M.REPLY_MULTI:
-            for index, _status, _n in env[2]:
-                self.rt.reply((self.address, env[1]), index, M.ERROR, error_payload(exc))
+        log.warning("a %r message from %s to %s lost its payload: %s", type(env).__name__, source, self.address, exc)
+        if env.kind == M.REPLY:
+            self.rt.reply((self.address, env.port), env.slot, M.ERROR, error_payload(exc))
+        elif env.kind == M.REPLY_MULTI:
+            for index, _status, _n in env.entries:
+                self.rt.reply((self.address, env.port), index, M.ERROR, error_payload(exc))
         else:
             self.rt._fail_reply(env, M.ERROR, error_payload(exc))
 

@@ -26,7 +26,7 @@ log = logging.getLogger("actormesh.runtime")
 
 __all__ = ["Lost", "payload_lost", "error_payload", "reply_port"]
 
-Envelope = tuple[Any, ...]
+Envelope = Any  # a Message of any kind: code here branches on its .kind, which a type checker cannot narrow
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
 
 
@@ -43,17 +43,15 @@ def error_payload(exc: BaseException) -> Sequence[Segment]:
     return dumps((PortableException(exc), "".join(traceback.format_exception_only(exc))))
 
 
-def reply_port(env: Envelope) -> tuple[Any, int]:
+def reply_port(env: Any) -> tuple[Any, int]:
     """(reply port reference or None, reply index) of an envelope."""
-    kind = env[0]
+    kind = env.kind
     if kind == M.CALL:
-        return env[3], env[4]
-    if kind == M.SPAWN:
-        return env[6], 0
+        return env.reply, env.member
     if kind == M.STOP_ACTOR:
-        return env[2], env[3]
-    if kind in (M.STOP_PROC, M.SINGLETON):
-        return env[-1], 0
+        return env.reply, env.slot
+    if kind in (M.SPAWN, M.STOP_PROC, M.SINGLETON):
+        return env.reply, 0
     return None, 0
 
 
@@ -62,26 +60,26 @@ def payload_lost(rt: ProcRuntime, env: Envelope, error: Any) -> None:
     memory taking it in): fail that one message, in its turn. Loop thread."""
     exc = ResourceExhaustedError(f"proc {rt.name} (pid {rt.pid}) {error}", getattr(error, "resource", ""))
     lost = [Lost(exc)]
-    kind = env[0]
+    kind = env.kind
     if kind in _SEQUENCED:
-        rt._reorder.push((env[-2], env[1]), env[-1], env, lost)  # keeps the sender's order: no gap
+        rt._reorder.push((env.sender, env.actor), env.seq, env, lost)  # keeps the sender's order: no gap
     elif kind == M.CAST:
-        _, actor, endpoint, reply, labels, sizes, sender, members = env
-        for index, address, seq in members:
+        actor, reply, sender = env.actor, env.reply, env.sender
+        for index, address, seq in env.members:
             if address == rt.address:
-                rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, endpoint, reply, index, labels, sizes, sender, seq), lost)
+                rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, env.endpoint, reply, index, env.labels, env.sizes, sender, seq), lost)
             elif reply is not None:
                 rt.reply(reply, index, M.ERROR, error_payload(exc))
         if reply is None:
             log.warning("a broadcast to %s lost its payload: %s", actor, exc)
     elif kind == M.REPLY:
-        handler = rt.ports.get(env[1])
+        handler = rt.ports.get(env.port)
         if handler is not None:
             handler.deliver(env._replace(status=M.ERROR), error_payload(exc))
     elif kind == M.REPLY_MULTI:
-        handler = rt.ports.get(env[1])
+        handler = rt.ports.get(env.port)
         if handler is not None:
-            for index, _status, _n in env[2]:
+            for index, _status, _n in env.entries:
                 handler.deliver(M.Reply(M.REPLY, env.port, index, M.ERROR, env.sender), error_payload(exc))
     else:
         rt._fail_reply(env, M.ERROR, error_payload(exc))

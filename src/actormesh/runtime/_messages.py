@@ -53,13 +53,14 @@ Member = tuple[int, str, int]
 
 
 class Call(NamedTuple):
-    """Run ``endpoint`` of the local actor ``actor`` as mesh member ``index``."""
+    """Run ``endpoint`` of the local actor ``actor`` as member ``member`` (its index in
+    the mesh ``labels``/``sizes``, and its slot in ``reply``)."""
 
     kind: int
     actor: str
     endpoint: str
     reply: Optional[PortRef]
-    index: int
+    member: int
     labels: tuple[str, ...]
     sizes: tuple[int, ...]
     sender: Optional[str] = None
@@ -67,11 +68,11 @@ class Call(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """The answer for reply index ``index`` of port ``port`` (status: OK | ERROR | SUPERVISION)."""
+    """The answer for slot ``slot`` of port ``port`` (status: OK | ERROR | SUPERVISION)."""
 
     kind: int
     port: int
-    index: int
+    slot: int
     status: int
     sender: str
 
@@ -101,12 +102,12 @@ class Spawn(NamedTuple):
 
 
 class StopActor(NamedTuple):
-    """Stop the local actor ``actor`` after what it has queued; answer ``reply`` as ``index``."""
+    """Stop the local actor ``actor`` after what it has queued; answer slot ``slot`` of ``reply``."""
 
     kind: int
     actor: str
     reply: Optional[PortRef]
-    index: int
+    slot: int
     sender: Optional[str] = None
     seq: Optional[int] = None
 
@@ -197,7 +198,7 @@ class Stats(NamedTuple):
 
 Message = Union[Call, Reply, ReplyMulti, Spawn, StopActor, Cast, StopProc, Hello, Failure, Singleton, Ping, Pong, Join, RelayLost, Stats]
 
-_BY_KIND: dict[int, type] = {
+_BY_KIND: dict[int, Any] = {
     CALL: Call,
     REPLY: Reply,
     SPAWN: Spawn,

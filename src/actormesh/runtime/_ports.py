@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PortClosedError, make_actor_error, supervision_error
 from ..transport import Segment, loads
 from ._future import Future
-from ._messages import ERROR, OK, SUPERVISION
+from ._messages import ERROR, OK, SUPERVISION, Reply, ReplyMulti
 
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
@@ -116,14 +116,13 @@ class GatherPort(_Abortable, _PortBase):
         for addr in set(addresses):
             self.runtime.await_peer(addr, self)
 
-    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        index, status = env[2], env[3]
-        self._store(index, (status, payload))
+    def deliver(self, env: Reply, payload: Sequence[Segment]) -> None:
+        self._store(env.slot, (env.status, payload))
 
-    def deliver_many(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+    def deliver_many(self, env: ReplyMulti, payload: Sequence[Segment]) -> None:
         """The replies of a whole cast subtree in one message (REPLY_MULTI)."""
         pos = 0
-        for index, status, nseg in env[2]:
+        for index, status, nseg in env.entries:
             self._store(index, (status, payload[pos : pos + nseg]))
             pos += nseg
 
@@ -168,8 +167,8 @@ class StreamPort(_Abortable, _PortBase):
         for addr in set(addresses):
             runtime.await_peer(addr, self)
 
-    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        self._complete(env[2], env[3], payload)
+    def deliver(self, env: Reply, payload: Sequence[Segment]) -> None:
+        self._complete(env.slot, env.status, payload)
 
     def _complete(self, index: int, status: int, payload: Any) -> None:
         with self._lock:
@@ -210,11 +209,11 @@ class OnePort:
         self.port_id = runtime.register_port(self)
         runtime.await_peer(address, self)
 
-    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
+    def deliver(self, env: Reply, payload: Sequence[Segment]) -> None:
         rt = self.runtime
         rt.ports.pop(self.port_id, None)
         rt.unawait_peer(self._address, self)
-        status, what = env[3], self.what
+        status, what = env.status, self.what
         if status == OK:
             self.future._set_thunk(lambda: loads(payload))
         else:
@@ -247,8 +246,8 @@ class QueuePort(_PortBase):
         self._once = once
         self._closed: str | None = None  # why receives fail once the queue is empty
 
-    def deliver(self, env: tuple[Any, ...], payload: Sequence[Segment]) -> None:
-        item = (env[3], payload, env[2])
+    def deliver(self, env: Reply, payload: Sequence[Segment]) -> None:
+        item = (env.status, payload, env.slot)
         with self._lock:
             if self._closed is not None and not self._once:
                 return  # closed by the receiver: later sends are dropped

@@ -35,7 +35,7 @@ log = logging.getLogger("actormesh.runtime")
 
 __all__ = ["ProcRuntime"]
 
-Envelope = tuple[Any, ...]
+Envelope = Any  # a Message of any kind: code here branches on its .kind, which a type checker cannot narrow
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
 
 
@@ -294,22 +294,22 @@ class ProcRuntime(Verbs):
         self._dispatch(env, segments[1:], conn)
 
     def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
-        kind = env[0]
+        kind = env.kind
         if kind in _SEQUENCED:
-            self._reorder.push((env[-2], env[1]), env[-1], env, payload)
+            self._reorder.push((env.sender, env.actor), env.seq, env, payload)
         elif kind == M.REPLY:
-            handler = self.ports.get(env[1])
+            handler = self.ports.get(env.port)
             if handler is not None:
                 handler.deliver(env, payload)
         elif kind == M.SPAWN:
             if self.on_spawn is not None:
                 self.on_spawn(env, payload)
-            for early_env, early_payload in self._early.pop(env[1], ()):
+            for early_env, early_payload in self._early.pop(env.actor, ()):
                 self._release(early_env, early_payload)  # already in order: skip the reorder buffer
         elif kind == M.CAST:
             self._cast(env, payload)
         elif kind == M.REPLY_MULTI:
-            handler = self.ports.get(env[1])
+            handler = self.ports.get(env.port)
             if handler is not None:
                 handler.deliver_many(env, payload)
         elif kind == M.STOP_PROC:
@@ -326,7 +326,7 @@ class ProcRuntime(Verbs):
                 conn.send([M.PONG_BYTES])
         elif kind == M.JOIN:
             for hook in list(self.on_join):
-                hook(env[1], env[2], env[3])
+                hook(env.address, env.hostname, env.pid)
         elif kind == M.STATS:
             if self.on_stats is not None:
                 self.on_stats(env)
@@ -340,18 +340,16 @@ class ProcRuntime(Verbs):
         if payload and type(payload[0]) is Lost:
             self._fail_reply(env, M.ERROR, error_payload(payload[0].error))
             return
-        if env[0] == M.CALL:
-            cell = self.actors.get(env[1])
+        cell = self.actors.get(env.actor)
+        if env.kind == M.CALL:
             if cell is not None:
                 cell.post(env, payload)
             else:
                 self._hold_early(env, payload)
-        else:  # STOP_ACTOR
-            cell = self.actors.get(env[1])
-            if cell is not None:
-                cell.stop(env[2], env[3])
-            else:
-                self.reply(env[2], env[3], M.OK, dumps(None))
+        elif cell is not None:  # STOP_ACTOR
+            cell.stop(env.reply, env.slot)
+        else:
+            self.reply(env.reply, env.slot, M.OK, dumps(None))
 
     def _cast(self, env: Envelope, payload: Sequence[Segment]) -> None:
         from ._cast import handle_cast
@@ -361,7 +359,7 @@ class ProcRuntime(Verbs):
     def _hold_early(self, env: Envelope, payload: Sequence[Segment]) -> None:
         """A call for an actor whose spawn message has not arrived yet (it came by
         another connection). Hold it until the spawn arrives or a deadline passes."""
-        name = env[1]
+        name = env.actor
         held = self._early.setdefault(name, [])
         held.append((env, payload))
         if len(held) == 1:

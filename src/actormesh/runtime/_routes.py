@@ -26,21 +26,21 @@ if TYPE_CHECKING:
 
 __all__ = ["Route", "LocalRoute"]
 
-Envelope = tuple[Any, ...]
+Envelope = Any  # a Message of any kind: code here branches on its .kind, which a type checker cannot narrow
 
 
 _TO_ACTOR = frozenset({M.CALL, M.STOP_ACTOR, M.CAST})
 _TO_PORT = frozenset({M.REPLY, M.REPLY_MULTI})
 
 
-def order_key(env: Envelope) -> Any:
+def order_key(env: Any) -> Any:
     """What a message must stay in order with on its connection (see transport._outgoing):
     messages to one actor, or replies to one port. Any other kind keeps its place among all."""
-    kind = env[0]
+    kind = env.kind
     if kind in _TO_ACTOR:
-        return ("actor", env[1])
+        return ("actor", env.actor)
     if kind in _TO_PORT:
-        return ("port", env[1])
+        return ("port", env.port)
     return None
 
 

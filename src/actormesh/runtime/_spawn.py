@@ -32,6 +32,7 @@ from ..errors import Cause, CauseKind
 from ..transport import dumps
 from ._future import Future, gather
 from ._launch import ProcCommand, default_command
+from ._messages import Hello
 from ._heartbeat import Heartbeat
 from ._liveness import LivenessJudge, Policy, describe_exit, proc_available, read_proc
 
@@ -97,15 +98,15 @@ def _install_hello(runtime: Any) -> None:
     runtime.heartbeat = Heartbeat(runtime, LivenessJudge(time.monotonic, read_proc if proc_available() else None), _kill)
     runtime.heartbeat.start()
 
-    def on_hello(conn: Any, env: tuple[Any, ...]) -> bool:
-        child = runtime.children.get(env[1])
+    def on_hello(conn: Any, env: Hello) -> bool:
+        child = runtime.children.get(env.address)
         if child is None:
             return False
-        route = runtime._routes.get(env[1])
-        if env[3] is not None:
+        route = runtime._routes.get(env.address)
+        if env.error is not None:
             _kill(child)
-            runtime.peer_gone(child.address, Cause(f"the proc's bootstrap function failed: {env[3]}", CauseKind.RAISED))
-            child.ready._set_exception(RuntimeError(f"bootstrap of proc {child.name} failed:\n{env[3]}"))
+            runtime.peer_gone(child.address, Cause(f"the proc's bootstrap function failed: {env.error}", CauseKind.RAISED))
+            child.ready._set_exception(RuntimeError(f"bootstrap of proc {child.name} failed:\n{env.error}"))
             return True
         if route is not None:
             route.publish(conn)

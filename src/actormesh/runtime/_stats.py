@@ -44,8 +44,8 @@ def install(rt: Any) -> None:
     STATE.snapshot = lambda: stats_snapshot(rt)
     STATE.current_actor = _current_actor
 
-    def on_stats(env: tuple[Any, ...]) -> None:
-        rt.reply(env[1], 0, M.OK, dumps(stats_snapshot(rt)))
+    def on_stats(env: M.Stats) -> None:
+        rt.reply(env.reply, 0, M.OK, dumps(stats_snapshot(rt)))
 
     rt.on_stats = on_stats
     cfg = get_config()

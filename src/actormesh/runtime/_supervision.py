@@ -107,11 +107,11 @@ class _StopWaiter:
         if not self.pending:
             self._finish()
 
-    def deliver(self, env: tuple[Any, ...], payload: Any) -> None:
-        self._tick([env[2]])
+    def deliver(self, env: M.Reply, payload: Any) -> None:
+        self._tick([env.slot])
 
-    def deliver_many(self, env: tuple[Any, ...], payload: Any) -> None:
-        self._tick([index for index, _, _ in env[2]])
+    def deliver_many(self, env: M.ReplyMulti, payload: Any) -> None:
+        self._tick([index for index, _, _ in env.entries])
 
     def peer_lost(self, address: str, reason: str) -> None:
         self._tick([i for i, a in enumerate(self.addresses) if a == address])
@@ -239,13 +239,13 @@ def install(runtime: Any) -> None:
             assert action.failure is not None
             _report(runtime, record, action.failure)
 
-    def on_failure(env: tuple[Any, ...]) -> None:
-        _, owner, mesh_name, rank, cause, display, source = env
+    def on_failure(env: M.Failure) -> None:
+        mesh_name, rank, cause = env.mesh_name, env.rank, env.cause
         record = runtime.owned_meshes.get(mesh_name)
         if record is None:
             log.warning("failure of unknown mesh %s rank %s: %s", mesh_name, rank, cause)
             return
-        act(triage.on_failure(record, rank, cause, source, display))
+        act(triage.on_failure(record, rank, cause, env.source, env.display))
 
     def on_peer_lost(address: str, reason: str) -> None:
         for action in triage.on_peer_lost(list(runtime.owned_meshes.values()), address, reason):
