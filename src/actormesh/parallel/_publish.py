@@ -169,6 +169,21 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's shard on this rank (without to_local()'s autograd call: this only reads its address), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    if local is None and hasattr(t, "to_local"):
+        local = t.to_local()
+    return t if local is None else local
+
+
+def _select(state: dict[str, Any], first_copy: bool) -> list[tuple[str, Any, tuple[int, ...], tuple[int, ...]]]:
+    """The pieces this rank publishes: its shards, and its plain tensors if it holds their first copy."""
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in _pieces(state) if first_copy or isinstance(state[p[0]], DTensor)]
+
+
 def _pieces(state: dict[str, Any]) -> list[tuple[str, Any, tuple[int, ...], tuple[int, ...]]]:
     """``(name, local tensor, global shape, global offset)`` of what this rank publishes (first holders only)."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -197,6 +212,24 @@ class Publisher:
         self._slots: list[tuple[Any, Any]] = []  #: (RDMABuffer, flat uint8 tensor), at most two
         self._turn = 0  # the slot the next publication overwrites
         self._fence = threading.Lock()  # acquired between the stamp and the bytes: a full memory barrier
+        self._memo: tuple[Any, Any] | None = None  #: (signature of the chunks' tensors, their sharded state dict)
+
+    def publish_chunks(self, chunks: list[Any], first_copy: bool = True) -> tuple[Any, Layout, int] | None:
+        """:meth:`publish` the chunks' weights by the full model's names (DTensors stay sharded: nothing is gathered).
+
+        torch's sharded state dict (and each shard's place in its tensor) is
+        worked out once and reused while the chunks hold the same tensors in
+        the same memory (an optimizer step changes values in place, not that).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        signature = [(id(t), _local(t).data_ptr()) for chunk in chunks for t in (*chunk.parameters(), *chunk.buffers())]
+        if self._memo is None or self._memo[0] != (signature, first_copy):
+            state: dict[str, Any] = {}
+            for chunk in chunks:
+                state.update(get_model_state_dict(chunk, options=StateDictOptions(full_state_dict=False)))
+            self._memo = ((signature, first_copy), _select(state, first_copy))
+        return self._write(self._memo[1])
 
     def publish(self, state: dict[str, Any], first_copy: bool = True) -> tuple[Any, Layout, int] | None:
         """Publish this rank's pieces of ``state`` (tensors or DTensors): ``(buffer, layout, stamp)``, or None.
@@ -205,10 +238,11 @@ class Publisher:
         (not DTensor) tensors (e.g. data-parallel rank 0); others skip them.
         Not thread-safe: one publication at a time per rank.
         """
-        import torch
-        from torch.distributed.tensor import DTensor
+        return self._write(_select(state, first_copy))
 
-        pieces = [p for p in _pieces(state) if first_copy or isinstance(state[p[0]], DTensor)]
+    def _write(self, pieces: list[tuple[str, Any, tuple[int, ...], tuple[int, ...]]]) -> tuple[Any, Layout, int] | None:
+        import torch
+
         if not pieces:
             return None
         layout: Layout = []

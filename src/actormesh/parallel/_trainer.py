@@ -258,15 +258,10 @@ class Trainer(Actor):
     def publish_weights(self) -> Any:
         """This rank's pieces of the weights (its shards; plain tensors on data-parallel rank 0),
         copied into one of its two RDMA buffers: ``(buffer, layout, stamp)`` or None. See :func:`publish_weights`."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         from ._publish import Publisher
 
         publisher = self.__dict__.setdefault("_publisher", Publisher())
-        state: dict[str, Any] = {}
-        for chunk in self.chunks:  # the full model's names; DTensors stay sharded (nothing gathered)
-            state.update(get_model_state_dict(chunk, options=StateDictOptions(full_state_dict=False)))
-        return publisher.publish(state, first_copy=not (self.dp_rank or self.tp_rank))
+        return publisher.publish_chunks(self.chunks, first_copy=not (self.dp_rank or self.tp_rank))
 
     @endpoint
     def load_state_dict(self, state: dict[str, Any]) -> None:
