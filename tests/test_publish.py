@@ -117,3 +117,36 @@ def test_staged_weights_are_swapped_in_and_the_old_memory_is_reused() -> None:
     with pytest.raises(ValueError, match=r"weights\['0.weight'\] has shape \(3, 5\)"):
         staging.stage(publish(publisher, 3, bad))
     assert all(torch.equal(v, newer[k]) for k, v in model.state_dict().items())
+
+
+def test_a_read_racing_publications_is_whole_or_refused_never_mixed() -> None:
+    """Publications of all-k tensors race a reader: every read it accepts holds one k only."""
+    import threading
+
+    publisher = Publisher()
+    state = {"w": torch.zeros(1 << 20)}  # 4 MiB: a copy takes long enough to overlap
+    handles = [publish(publisher, 0, state)]
+    stop = threading.Event()
+    outcomes = {"whole": 0, "refused": 0, "mixed": 0}
+
+    def read() -> None:
+        dst = {"w": torch.empty(1 << 20)}
+        while not stop.is_set():
+            older = handles[-2] if len(handles) > 1 else handles[-1]  # its memory is the next one written
+            try:
+                older.read_into(dst)
+            except BufferDroppedError:
+                outcomes["refused"] += 1
+                continue
+            outcomes["whole" if dst["w"].min() == dst["w"].max() else "mixed"] += 1
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for k in range(1, 200):
+            state["w"].fill_(float(k))
+            handles.append(publish(publisher, k, state))
+    finally:
+        stop.set()
+        reader.join(30)
+    assert not reader.is_alive() and outcomes["whole"] > 0 and outcomes["mixed"] == 0, outcomes
