@@ -31,9 +31,9 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _pin_cpus() -> str | None:
     """Apply ``proc_bind={'cpus': ...}`` (sched_setaffinity); return an error text if it fails."""
-    from .runtime._launch import CPUS_ENV
+    from .runtime import launch
 
-    spec = os.environ.pop(CPUS_ENV, None)  # not inherited by this proc's own children
+    spec = os.environ.pop(launch.CPUS_ENV, None)  # not inherited by this proc's own children
     if not spec:
         return None
     cpus: set[int] = set()
@@ -57,8 +57,7 @@ def main() -> None:
 
     from . import telemetry
     from .transport import JobTLS, loads
-    from .runtime import STOP_MARGIN_S, _context, _spawn
-    from .runtime._proc import ProcRuntime
+    from .runtime import STOP_MARGIN_S, ProcRuntime, kill_all_children, set_runtime
     import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
     from .debug import install_breakpoint_hook
 
@@ -87,7 +86,7 @@ def main() -> None:
         tls=JobTLS(*spec["tls"]) if spec.get("tls") else None,
     )
     rt.hello_error = hello_error
-    _context.set_runtime(rt)
+    set_runtime(rt)
     stop = threading.Event()
 
     def on_stop_proc(env: tuple) -> None:
@@ -120,7 +119,7 @@ def main() -> None:
     rt.start_dial(parent_route)  # type: ignore[arg-type]
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
-    _spawn.kill_all_children(rt)
+    kill_all_children(rt)
     telemetry.flush()  # os._exit skips the exporters' atexit flush (no-op when telemetry is off)
     rt.release_files()  # os._exit skips every cleanup: remove our socket file now
     sys.stdout.flush()

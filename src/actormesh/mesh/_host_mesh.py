@@ -132,7 +132,7 @@ class HostMesh(MeshTrait):
         base = name or "anon"
         rt = current_runtime()
         me = context().actor_instance
-        owner = me.name if me._cell is not None else CLIENT_NAME
+        owner = me.name if me.is_actor else CLIENT_NAME
         if self._agents:
             pm = self._spawn_remote(rt, shape, per, base, bootstrap, owner, commands)
         else:

@@ -113,7 +113,7 @@ class ProcMesh(MeshTrait, TensorMethods):
         rt = current_runtime()
         ctx = context()
         me = ctx.actor_instance
-        owner_name = me.name if me._cell is not None else CLIENT_NAME
+        owner_name = me.name if me.is_actor else CLIENT_NAME
         mesh_name = f"{name}-{os.urandom(6).hex()}"
         shape = self._shape
         n = len(shape)
@@ -138,8 +138,7 @@ class ProcMesh(MeshTrait, TensorMethods):
         def respawn(rank: int) -> None:
             """Restart member ``rank`` (loop thread): on a fresh proc if its proc died."""
             addr = addresses[rank]
-            route = rt._routes.get(addr)
-            if route is not None and route.dead is not None:
+            if rt.peer_dead(addr) is not None:
                 if state is None or state.children is None:
                     raise RuntimeError(f"cannot restart {record.member(rank)}: its proc is gone and was not spawned here")
                 addresses[rank] = state.replace(proc_ranks[rank], addr)

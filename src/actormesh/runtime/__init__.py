@@ -25,7 +25,7 @@ from ._returns_future import returns_future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._selfwait import mark_if_self_call
-from ._spawn import ChildProc, spawn_children, stop_children
+from ._spawn import ChildProc, kill_all_children, spawn_children, stop_children
 from ._stats import gather_stats, serve_telemetry, stats_snapshot, telemetry_wanted
 from ._supervision import CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy, default_fault_hook, kill_proc, stop_mesh
 
@@ -74,6 +74,7 @@ __all__ = [
     "telemetry_wanted",
     "serve_telemetry",
     "spawn_children",
+    "kill_all_children",
     "stop_children",
     "CLIENT_NAME",
     "MeshRecord",

@@ -257,6 +257,11 @@ class Instance:
         self._children: list[Any] | None = None
 
     @property
+    def is_actor(self) -> bool:
+        """Whether this is an actor (not the client, nor a worker proc's own context)."""
+        return self._cell is not None
+
+    @property
     def actor_id(self) -> str:
         """A unique name for this actor: ``<actor>@<proc address>``."""
         return f"{self.name}@{self._runtime.address}"

@@ -169,7 +169,7 @@ def _forget(rt: ProcRuntime, address: str, route: Route) -> None:
     if links is not None:
         links.forget(address)
     rt._waiting_on.pop(address, None)
-    owned = getattr(rt, "owned_meshes", None)
+    owned = rt.owned_meshes
     if owned:
         for name, record in list(owned.items()):
             if address in record.addresses and not any(_live(rt, a) for a in record.addresses):
@@ -217,6 +217,6 @@ def table_sizes(rt: ProcRuntime) -> dict[str, int]:
         "waiting_on": len(rt._waiting_on),
         "early": len(rt._early),
         "ports": len(rt.ports),
-        "children": len(getattr(rt, "children", {})),
-        "owned_meshes": len(getattr(rt, "owned_meshes", {})),
+        "children": len(rt.children),
+        "owned_meshes": len(rt.owned_meshes),
     }

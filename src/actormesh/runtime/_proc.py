@@ -14,7 +14,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config, get_config
 from ..errors import Cause, CauseKind, ProtocolError
@@ -30,6 +30,11 @@ from ._peers import connection_closed, dial, hello, peer_gone, revive, table_siz
 from ._routes import LocalRoute, Route
 from ._threads import ThreadGroup
 from ._verbs import Verbs
+
+if TYPE_CHECKING:
+    from ._heartbeat import Heartbeat
+    from ._spawn import ChildProc
+    from ._supervision import MeshRecord
 
 log = logging.getLogger("actormesh.runtime")
 
@@ -50,6 +55,8 @@ class ProcRuntime(Verbs):
 
     address: str
     root_address: str
+    #: The gateway an attached client runtime goes through (None: a member of the job's network).
+    attached_via: str | None = None
 
     def __init__(
         self,
@@ -96,6 +103,12 @@ class ProcRuntime(Verbs):
         self.closed = False
         #: Threads for work that may block off the loop (fault hooks...): joined at close.
         self.threads = ThreadGroup(f"runtime {name}")
+        #: Actor meshes this process spawned and owns, by name (supervision: _supervision.py).
+        self.owned_meshes: dict[str, MeshRecord] = {}
+        #: Procs this process spawned, by address, and their liveness rounds, which
+        #: start with the first spawn (_spawn.py).
+        self.children: dict[str, ChildProc] = {}
+        self.heartbeat: Heartbeat | None = None
         #: Hooks installed by the cell/spawn modules (keeps this module free of them).
         self.on_spawn: Callable[[Envelope, Sequence[Segment]], None] | None = None
         self.on_failure: Callable[[Envelope], None] | None = None

@@ -92,9 +92,8 @@ def _listen_host(address: str, default: str) -> str:
 
 
 def _install_hello(runtime: Any) -> None:
-    if getattr(runtime, "children", None) is not None:
+    if runtime.heartbeat is not None:
         return
-    runtime.children = {}
     runtime.heartbeat = Heartbeat(runtime, LivenessJudge(time.monotonic, read_proc if proc_available() else None), _kill)
     runtime.heartbeat.start()
 
@@ -137,7 +136,7 @@ def spawn_children(
     """
     if commands is not None and len(commands) != len(names):
         raise ValueError(f"spawn_children: {len(commands)} commands for {len(names)} procs")
-    if getattr(runtime, "attached_via", None) is not None:  # children would dial it; it listens on nothing
+    if runtime.attached_via is not None:  # children would dial it; it listens on nothing
         from ._attached import LOCAL_SPAWN_REFUSED
 
         raise RuntimeError(LOCAL_SPAWN_REFUSED.format(gateway=runtime.attached_via))
@@ -295,7 +294,7 @@ def stop_children(runtime: Any, children: Sequence[ChildProc], timeout_s: float)
 
 def kill_all_children(runtime: Any, grace_s: float = 1.0) -> None:
     """At exit: ask every child to stop, then SIGKILL what is left (blocking)."""
-    children = list(getattr(runtime, "children", {}).values())
+    children = list(runtime.children.values())
     if not children:
         return
     fut = stop_children(runtime, children, grace_s)

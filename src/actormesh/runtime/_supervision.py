@@ -159,7 +159,7 @@ def kill_proc(runtime: Any, address: str) -> None:
     if address == runtime.address:
         log.error("an actor of this very process (%s) did not stop in time; it cannot kill itself", address)
         return
-    child = getattr(runtime, "children", {}).get(address)
+    child = runtime.children.get(address)
     if child is not None and child.popen is not None:
         child.stopping = True  # its exit is reported as "the proc was stopped", not a failure
         try:
@@ -206,7 +206,7 @@ def stop_owned(runtime: Any, owner: str, reason: str) -> None:
         if record.owner != owner or record.stopped is not None:
             continue
         futures.append(stop_mesh(runtime, record, reason))
-    children = [c for c in getattr(runtime, "children", {}).values() if c.owner == owner]
+    children = [c for c in runtime.children.values() if c.owner == owner]
     if children:
         futures.append(stop_children(runtime, children, runtime.config.stop_timeout))
     deadline = time.monotonic() + runtime.config.stop_timeout
@@ -220,7 +220,6 @@ def stop_owned(runtime: Any, owner: str, reason: str) -> None:
 def install(runtime: Any) -> None:
     """Attach owner-side supervision to a runtime: a :class:`FailureTriage`
     decides (loop thread), this shell restarts members and delivers reports."""
-    runtime.owned_meshes = {}
     triage = FailureTriage(time.monotonic)
 
     def act(action: Action) -> None:
@@ -253,7 +252,6 @@ def install(runtime: Any) -> None:
 
     runtime.on_failure = on_failure
     runtime.on_peer_lost.append(on_peer_lost)
-    runtime.reply_kinds = M
 
 
 def _report(runtime: Any, record: MeshRecord, failure: MeshFailure) -> None:
