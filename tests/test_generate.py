@@ -333,8 +333,17 @@ def test_compiled_engine_equals_hf_generate() -> None:
     hf, model = hf_pair()
     prompts = PROMPTS[:2]  # ragged: a padded prefill, then decode
     refs = [hf_greedy(hf, p, 4) for p in prompts]
-    with LLMEngine(model, max_slots=2, compile="aot_eager") as engine:
+    with LLMEngine(model, max_slots=3, compile="aot_eager") as engine:
         assert engine.complete(prompts, SamplingParams(max_tokens=4)) == refs
+        # the short one ends first and leaves a gap between the others' slots: they are read through a copy
+        lengths = [2, 6, 6]
+        refs = [hf_greedy(hf, p, n) for p, n in zip(PROMPTS[:3], lengths)]
+
+        async def all_three() -> list[list[int]]:
+            return list(await asyncio.gather(*[collect(engine, p, SamplingParams(max_tokens=n))
+                                               for p, n in zip(PROMPTS[:3], lengths)]))
+
+        assert asyncio.run(all_three()) == refs
 
 
 def test_logprobs_are_the_models_log_softmax_of_each_sampled_token(llama: tuple[Any, Any], engine: LLMEngine) -> None:

@@ -155,7 +155,6 @@ class StepRunner:
         self.forward = chunk.forward_cached
         self.compiled = bool(compile)
         if compile:
-            cache.views = False
             backend = compile if isinstance(compile, str) else "inductor"
             self.forward = torch.compile(chunk.forward_cached, dynamic=True, backend=backend)
 

@@ -45,7 +45,9 @@ class KVCache:
         if max_slots < 1 or max_len < 1:
             raise ValueError(f"KVCache needs max_slots >= 1 and max_len >= 1, got {max_slots}, {max_len}")
         self.max_slots, self.max_len, self.sliding_window = max_slots, max_len, sliding_window
-        self.views = True  #: read consecutive slots as views (off under torch.compile: one code path, fewer graphs)
+        #: read consecutive slots as views; under torch.compile this makes one more graph (rows that are
+        #: not consecutive slots), and it saves a copy of the batch's keys and values per layer and step
+        self.views = True
         self.keys: dict[int, Any] = {}
         self.values: dict[int, Any] = {}
         self._slots: Any = None

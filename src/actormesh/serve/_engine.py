@@ -40,8 +40,11 @@ class LLMEngine:
     ``compile=True`` runs the model through ``torch.compile`` (slow first
     steps, then much faster ones; see ``actormesh.parallel.StepRunner``).
     ``generate`` streams each request's tokens as they are sampled
-    (``after_events``, if given, runs on the loop thread after each step's
-    events were delivered: a transport can batch them there); greedy
+    (``after_events(next_step_s)``, if given, runs on the loop thread after
+    each step's events were delivered, so a transport can batch them there;
+    ``next_step_s`` is how long the next step is expected to take, the last
+    one's duration, or None when the events must go now: the engine is about
+    to wait, or the next step admits requests, whose prefill takes longer); greedy
     output is token for token what Hugging Face ``generate(do_sample=False)``
     gives the same model for that prompt alone.
 
@@ -60,7 +63,7 @@ class LLMEngine:
 
     def __init__(self, model: Any = None, *, backend: EngineBackend | None = None, max_slots: int = 32,
                  max_context: int | None = None, seed: int | None = None, idle_s: float = 1.0, name: str = "llm-engine",
-                 after_events: Callable[[], None] | None = None, compile: bool | str = False) -> None:
+                 after_events: Callable[[float | None], None] | None = None, compile: bool | str = False) -> None:
         if (model is None) == (backend is None):
             raise TypeError("LLMEngine needs exactly one of model= (a model in this process) or backend=")
         self.backend: EngineBackend = backend if backend is not None else LocalBackend(model, max_slots, max_context,
@@ -251,11 +254,10 @@ class LLMEngine:
                 swaps = self._swap_if_ready(swaps)
                 plan = self._scheduler.plan()
                 if plan is None:
-                    self._flush()
+                    self._flush(None)
                     self.backend.idle()
                     continue
-                self._step(plan)
-                self._flush()
+                self._flush(self._step(plan))
         except BaseException as exc:  # the backend broke: nothing more can run
             error = exc
         finally:
@@ -293,7 +295,8 @@ class LLMEngine:
             swaps = swaps[1:]
         return swaps
 
-    def _step(self, plan: StepPlan) -> None:
+    def _step(self, plan: StepPlan) -> float | None:
+        """Run one step; how long the next is expected to take (None: it admits requests, or this one failed)."""
         t0 = time.perf_counter()
         try:
             tokens = self.backend.run(plan)
@@ -304,14 +307,17 @@ class LLMEngine:
             for req in [self._scheduler.running[s] for s in plan.slots]:
                 self._scheduler.cancel(req.id)
                 _deliver(req, Event(error=RuntimeError(f"generation step failed: {exc!r}")))
-            return
+            return None
+        took = time.perf_counter() - t0
         self.steps += 1
-        self.step_s += time.perf_counter() - t0
+        self.step_s += took
         logprobs = getattr(self.backend, "last_logprobs", None) if plan.logprobs else None
         for req, event in self._scheduler.commit(plan, tokens, logprobs):
             if event.token is not None:
                 self.tokens_generated += 1
             _deliver(req, event)
+        sched = self._scheduler
+        return None if self._inbox or (sched.waiting and sched.admitting and sched.free) else took
 
     def _shutdown(self, error: BaseException | None, inbox: list[tuple[str, Any]], swaps: list[Any]) -> None:
         swaps = swaps + [item for kind, item in inbox if kind == "swap"]
@@ -321,16 +327,16 @@ class LLMEngine:
         for _, _, done, failure in swaps:
             failure.append(why)
             done.set()
-        self._flush()
+        self._flush(None)
         try:
             self.backend.close()
         except Exception:
             pass
 
-    def _flush(self) -> None:
+    def _flush(self, next_step_s: float | None) -> None:
         if self._after_events is not None:
             try:
-                self._after_events()
+                self._after_events(next_step_s)
             except Exception:  # a caller's transport must not stop the loop for everyone else
                 pass
 

@@ -10,7 +10,10 @@ loop that receives plans and runs them. Requests, cancellations and weight
 swaps reach rank 0 as actor messages and are taken between two steps;
 after each step every caller's port gets one message with the new tokens
 (and ends) of that caller's requests, so a client streaming many requests
-pays one message per step, not one per token.
+pays one message per step, not one per token. When steps are shorter than
+``stream_interval_s``, the tokens of consecutive steps travel together
+(at most that long after the first of them was sampled); a request's first
+token and its end always go at once.
 
 Use :func:`spawn_llm_server` to start one and
 :class:`~actormesh.serve.LLMServerClient` to call it as a ``TokenGenerator``.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -47,9 +51,14 @@ class LLMServer(Actor):
     (all ranks) then ``commit_weights`` (rank 0) to swap weights, ``info()``.
     """
 
+    _clock = staticmethod(time.monotonic)  #: replaced by tests (virtual time)
+
     def __init__(self, model_fn: Callable[[], Any], plan: Plan | None = None, weights: Weights = None,
                  stages: Sequence[range] | str | None = None, max_slots: int = 32, max_context: int | None = None,
-                 seed: int = 0, pg_timeout_s: float = 300.0, idle_s: float = 1.0) -> None:
+                 seed: int = 0, pg_timeout_s: float = 300.0, idle_s: float = 1.0,
+                 stream_interval_s: float = 0.005) -> None:
+        if not stream_interval_s >= 0:
+            raise ValueError(f"stream_interval_s must be >= 0 seconds, got {stream_interval_s!r}")
         self.model_fn, self.plan = model_fn, plan or Plan()
         self.weights, self.stages, self.max_slots, self.max_context = weights, stages, max_slots, max_context
         self.seed, self.pg_timeout_s, self.idle_s = seed, pg_timeout_s, idle_s
@@ -60,6 +69,10 @@ class LLMServer(Actor):
         self._staged: dict[int, Any] = {}  #: weights staged for a swap, by version
         self._outbox: dict[Any, tuple[Port[Any], list[Any]]] = {}
         self._outbox_lock = threading.Lock()
+        self.stream_interval_s = stream_interval_s
+        self._oldest = 0.0  #: when the oldest unsent event was queued
+        self._urgent = False  #: an unsent event must go after this step (a first token, an end)
+        self._streaming: set[str] = set()  #: requests whose first token was sent
         self._staged_lock = threading.Lock()
 
     @endpoint
@@ -183,18 +196,41 @@ class LLMServer(Actor):
                 self._queue(port, (request_id, "end", event.finish))
             elif errors_to_port:
                 self._queue(port, (request_id, "failed", event.error))
+            else:  # the error goes back as the call's reply
+                with self._outbox_lock:
+                    self._streaming.discard(request_id)
             loop.call_soon_threadsafe(settle, event)
 
         return sink
 
     def _queue(self, port: Port[Any], item: tuple[str, str, Any]) -> None:
+        request_id, kind = item[0], item[1]
         with self._outbox_lock:
+            if not self._outbox:
+                self._oldest = self._clock()
             self._outbox.setdefault(port.ref, (port, []))[1].append(item)
+            if kind != "token":  # the end of a request: its caller is waiting for it
+                self._streaming.discard(request_id)
+                self._urgent = True
+            elif request_id not in self._streaming:  # time to first token is not delayed
+                self._streaming.add(request_id)
+                self._urgent = True
 
-    def _flush(self) -> None:
-        """After each step (engine thread): one message per caller port with all its requests' events."""
+    def _flush(self, next_step_s: float | None = None) -> None:
+        """After each step (engine thread): one message per caller port with all its requests' events.
+
+        Held back for one more step (``next_step_s``: how long it is expected
+        to take, None if not short) when nothing urgent is queued and the
+        oldest event would still leave within ``stream_interval_s``: on a
+        fast model a message per step costs both sides more than the step.
+        """
         with self._outbox_lock:
-            box, self._outbox = self._outbox, {}
+            if not self._outbox:
+                return
+            if (next_step_s is not None and not self._urgent
+                    and self._clock() + next_step_s - self._oldest < self.stream_interval_s):
+                return
+            box, self._outbox, self._urgent = self._outbox, {}, False
         for port, items in box.values():
             port.send(items)
 
@@ -288,7 +324,8 @@ def _read_if_path(weights: Any) -> Any:
 
 def spawn_llm_server(procs: ProcMesh, model_fn: Callable[[], Any], plan: Plan | None = None, *, weights: Weights = None,
                      stages: Sequence[range] | str | None = None, max_slots: int = 32, max_context: int | None = None,
-                     seed: int = 0, name: str = "llm", timeout: float = 300.0, pg_timeout_s: float = 300.0) -> ActorMesh[LLMServer]:
+                     seed: int = 0, name: str = "llm", timeout: float = 300.0, pg_timeout_s: float = 300.0,
+                     stream_interval_s: float = 0.005) -> ActorMesh[LLMServer]:
     """Start one generation replica on ``procs`` (``len(procs) == plan.tp * plan.pp``) and set it up.
 
     ``model_fn()`` builds the model (``functools.partial(hf_causal_lm, config)``
@@ -296,8 +333,11 @@ def spawn_llm_server(procs: ProcMesh, model_fn: Callable[[], Any], plan: Plan | 
     accepted for HF models), a path every rank reads, or None for the seeded
     initial weights (``torch.manual_seed(seed)``). ``stages``: pipeline stage
     boundaries (None: equal split; ``"memory"``: the partitioner balances
-    parameter bytes; or ``range``s). Raises PlanError for a plan that does not
-    fit the procs or the model.
+    parameter bytes; or ``range``s). ``stream_interval_s``: the tokens of
+    steps shorter than this travel to the caller together, at most this long
+    after the first of them (0: a message after every step); first tokens
+    and ends go at once. Raises PlanError for a plan that does not fit the
+    procs or the model.
 
     Example::
 
@@ -311,6 +351,8 @@ def spawn_llm_server(procs: ProcMesh, model_fn: Callable[[], Any], plan: Plan | 
     from ..parallel import check_inference_plan
     from ..spmd import setup_torch_elastic_env
 
+    if not stream_interval_s >= 0:
+        raise ValueError(f"stream_interval_s must be >= 0 seconds, got {stream_interval_s!r}")
     plan = Plan() if plan is None else plan
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an actormesh.parallel.Plan, got {type(plan).__name__}")
@@ -321,7 +363,8 @@ def spawn_llm_server(procs: ProcMesh, model_fn: Callable[[], Any], plan: Plan | 
     if len(procs) > 1:
         setup_torch_elastic_env(procs, timeout=min(timeout, 120.0))
     server = cast("ActorMesh[LLMServer]", procs.spawn(name, LLMServer, model_fn, plan, weights, stages, max_slots,
-                                                      max_context, seed, pg_timeout_s))
+                                                      max_context, seed, pg_timeout_s,
+                                                      stream_interval_s=stream_interval_s))
     try:
         server.setup.call().get(timeout=timeout)
     except BaseException:

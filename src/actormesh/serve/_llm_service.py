@@ -128,8 +128,8 @@ class ServedLLM(LLMServer):
 class LLMService:
     """``replicas`` LLM replicas of ``plan.tp * plan.pp`` procs each, behind a Service.
 
-    A :class:`~actormesh.serve.TokenGenerator`. ``model_fn`` and ``weights``
-    are as for :func:`spawn_llm_server`. ``service_options`` go to
+    A :class:`~actormesh.serve.TokenGenerator`. ``model_fn``, ``weights`` and
+    ``stream_interval_s`` are as for :func:`spawn_llm_server`. ``service_options`` go to
     :class:`Service` (``max_queue``, ``router``, ``max_rebuilds``, ``hosts``...).
 
     Example::
@@ -152,17 +152,20 @@ class LLMService:
         seed: int = 0,
         token_timeout_s: float = 300.0,
         poll_s: float = 0.1,
+        stream_interval_s: float = 0.005,
         **service_options: Any,
     ) -> None:
         self.plan = plan = Plan() if plan is None else plan
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an actormesh.parallel.Plan, got {type(plan).__name__}")
+        if not stream_interval_s >= 0:
+            raise ValueError(f"stream_interval_s must be >= 0 seconds, got {stream_interval_s!r}")
         options = {"name": "llm", "max_concurrency": max_slots,
                    "all_members": ("setup", "stage_weights", "drop_staged", "check_version")}
         options.update(service_options)
         self.service: Service[ServedLLM] = Service(
             {"gpus": plan.world_size}, replicas, ServedLLM, model_fn, plan, weights, None, max_slots, max_context, seed,
-            **options,
+            300.0, 1.0, stream_interval_s, **options,
         )
         self.token_timeout_s = token_timeout_s
         self.max_context: int = 0  # known once a replica is set up (ready())
