@@ -16,7 +16,10 @@ the controller (and a single-threaded ``ctypes.memmove``). ``echo`` is the
 ordinary message path for comparison: an endpoint that returns its tensor
 argument (bytes moved = 2 x size). GB/s = bytes / wall time of ``.get()``,
 GB = 1e9 bytes, median of the reps after a warm-up; destinations are touched
-before timing. torch runs one intra-op thread on both sides (the machine is a
+before timing. The same-host goal compares ``read_into`` and ``copy_`` run in
+turn (best of each), so that load from other users hits both alike. The
+``read_vm_huge`` column reads memory registered before its first write (huge
+pages: see docs/rdma.md). torch runs one intra-op thread on both sides (the machine is a
 shared 2-core box; OpenMP barriers there only add noise).
 """
 
@@ -111,6 +114,16 @@ def _timed(fn: Any, reps: int) -> list[float]:
     return out
 
 
+def _paired(base: Any, fn: Any, reps: int) -> float:
+    """``fn``'s speed as a fraction of ``base``'s, the two run in turn ``reps`` times (best of each):
+    load that comes and goes on a shared machine then hits both alike."""
+    a, b = [], []
+    for _ in range(reps):
+        a += _timed(base, 1)
+        b += _timed(fn, 1)
+    return min(a) / min(b)
+
+
 def _rate(nbytes: int, times: list[float]) -> dict[str, float]:
     return {"GBs": nbytes / statistics.median(times) / 1e9, "best_GBs": nbytes / min(times) / 1e9, "n": len(times)}
 
@@ -148,6 +161,8 @@ def run(sizes_mib: list[int], quick: bool, echo_max_mib: int) -> dict[str, Any]:
                     buf.read_into(dst).get(timeout=GET_TIMEOUT_S)  # warm-up: connections, staging
                     assert buf.backend == backend and dst[0] == 7 and dst[-1] == 7
                     row[f"read_{backend}"] = _rate(nbytes, _timed(lambda: buf.read_into(dst).get(timeout=GET_TIMEOUT_S), reps))
+                    if backend == "vm":
+                        row["read_vm_paired"] = _paired(lambda: dst.copy_(src), lambda: buf.read_into(dst).get(timeout=GET_TIMEOUT_S), max(reps, 5))
                     buf.write_from(src).get(timeout=GET_TIMEOUT_S)
                     row[f"write_{backend}"] = _rate(nbytes, _timed(lambda: buf.write_from(src).get(timeout=GET_TIMEOUT_S), reps))
                     assert owner.check.call_one(nbytes, 3).get(timeout=GET_TIMEOUT_S)
@@ -160,6 +175,7 @@ def run(sizes_mib: list[int], quick: bool, echo_max_mib: int) -> dict[str, Any]:
             try:
                 buf.read_into(dst).get(timeout=GET_TIMEOUT_S)
                 row["read_vm_huge"] = _rate(nbytes, _timed(lambda: buf.read_into(dst).get(timeout=GET_TIMEOUT_S), reps))
+                row["read_vm_huge_paired"] = _paired(lambda: dst.copy_(src), lambda: buf.read_into(dst).get(timeout=GET_TIMEOUT_S), max(reps, 5))
             finally:
                 os.environ.pop("ACTORMESH_RDMA_BACKEND", None)
             if size <= echo_max_mib:
@@ -176,10 +192,11 @@ def run(sizes_mib: list[int], quick: bool, echo_max_mib: int) -> dict[str, Any]:
 
 
 def _goals(sizes: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets: same-host read_into >= 50% of copy_ at >= 16 MiB; tcp >= 1 GB/s."""
+    """The issue's targets: same-host read_into >= 50% of copy_ at >= 16 MiB (best of reads and
+    copies run in turn); tcp >= 1 GB/s."""
     big = {s: r for s, r in sizes.items() if int(s) >= 16}
-    same = {s: r["read_vm"]["GBs"] / r["copy_"]["GBs"] for s, r in big.items()}
-    huge = {s: r["read_vm_huge"]["GBs"] / r["copy_"]["GBs"] for s, r in big.items() if "read_vm_huge" in r}
+    same = {s: r["read_vm_paired"] for s, r in big.items()}
+    huge = {s: r["read_vm_huge_paired"] for s, r in big.items()}
     tcp = {s: min(r["read_tcp"]["GBs"], r["write_tcp"]["GBs"]) for s, r in big.items()}
     return {
         "same_host_read_vs_copy": same,
@@ -207,7 +224,7 @@ def render(doc: dict[str, Any]) -> str:
                 cells.append(f"{f'{v:.2f} ({100 * v / ref:.0f}%)':>16}")
         lines.append(f"{size + ' MiB':<8}" + "".join(cells))
     g = doc["goals"]
-    lines.append(f"same-host read_into (vm) / copy_ at >=16 MiB: {', '.join(f'{s} MiB {v:.0%}' for s, v in g['same_host_read_vs_copy'].items())} -> goal >=50%: {g['same_host_read_ge_50pct']}")
+    lines.append(f"same-host read_into (vm) / copy_ at >=16 MiB, best of each run in turn: {', '.join(f'{s} MiB {v:.0%}' for s, v in g['same_host_read_vs_copy'].items())} -> goal >=50%: {g['same_host_read_ge_50pct']}")
     lines.append(f"  the same, owner memory registered before its first write (huge pages): {', '.join(f'{s} MiB {v:.0%}' for s, v in g['same_host_read_huge_pages_vs_copy'].items())}")
     lines.append(f"tcp across 127.0.0.1 -> {CROSS_ADDRESS}, min of read/write at >=16 MiB: {', '.join(f'{s} MiB {v:.2f} GB/s' for s, v in g['tcp_min_GBs'].items())} -> goal >=1 GB/s: {g['tcp_ge_1GBs']}")
     return "\n".join(lines)
