@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         rt.on_peer_lost.append(lambda address, reason: stop.set() if address == args.controller else None)
     while not stop.wait(0.5) and not shut.done():  # a timed wait lets the main thread run signal handlers
         pass
-    from .runtime._spawn import kill_all_children
+    from .runtime import kill_all_children
 
     kill_all_children(rt)
     rt.release_files()  # os._exit skips every cleanup: our socket and job directory go now

@@ -115,7 +115,7 @@ class Gateway:
         uid = request[1] if ok else None
         if not ok or type(uid) is not str or not _UID.fullmatch(uid):
             log.warning("closing connection from %s: malformed relay request %r", conn.peer_name, request)
-            conn._abort(TransportError("malformed relay request"))
+            conn.abort()
             return
         if request[0] == ATTACH:
             if uid in self.sessions:
@@ -160,7 +160,7 @@ class _Session:
     def from_client(self, conn: Connection, segments: list[Segment]) -> None:
         if len(segments) < 2:
             log.warning("closing the duplex of %s: a frame without a destination", self.address)
-            conn._abort(TransportError("frame without destination"))
+            conn.abort()
             return
         env_bytes, dest = segments[0], segments[1]
         if type(dest) is LostPayload:  # we ran out taking it in: fail that one message

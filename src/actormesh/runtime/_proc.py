@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import Config, get_config
-from ..errors import Cause, CauseKind, ProtocolError
+from ..errors import Cause, CauseKind
 from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, dumps, listen, new_secret
 from . import _messages as M
 from ._gateway import refuse_relay
@@ -287,12 +287,12 @@ class ProcRuntime(Verbs):
             env = M.decode(segments[0])
         except Exception as exc:
             log.warning("closing connection from %s: bad envelope (%s)", conn.peer_name, exc)
-            conn._abort(ProtocolError("bad envelope"))
+            conn.abort()  # a protocol error: nothing more is read from this peer
             return
         if conn.tag is None:
             if env.kind != M.HELLO:
                 log.warning("closing connection from %s: first frame was not HELLO", conn.peer_name)
-                conn._abort(ProtocolError("no HELLO"))
+                conn.abort()
                 return
             conn.tag = env.address
             if env.extra is not None and env.extra != M.RESTART:  # asks to be relayed: a gateway takes the connection over
