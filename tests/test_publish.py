@@ -150,3 +150,45 @@ def test_a_read_racing_publications_is_whole_or_refused_never_mixed() -> None:
         stop.set()
         reader.join(30)
     assert not reader.is_alive() and outcomes["whole"] > 0 and outcomes["mixed"] == 0, outcomes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("plan", ["tp2", "pp2"])
+def test_a_tensor_or_pipeline_parallel_replica_takes_weights_published_under_fsdp(spawn_procs: Any, plan: str) -> None:
+    """FSDP shards from two trainer ranks into a replica whose ranks hold TP shards (copied in) or
+    pipeline stages (only their own weights read); twice, so the second update reuses the spare set."""
+    import asyncio
+    from functools import partial
+
+    import transformers
+
+    from actormesh.parallel import Plan, publish_weights, spawn_trainer
+    from actormesh.parallel.hf import from_hf_state_dict, hf_causal_lm
+    from actormesh.parallel.models import lm_loss
+    from actormesh.serve import LLMServerClient, SamplingParams, spawn_llm_server
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    model = partial(hf_causal_lm, config, "LlamaForCausalLM")
+    trainer = spawn_trainer(spawn_procs(per_host={"gpus": 2}), model, lm_loss, partial(torch.optim.AdamW, lr=1e-3),
+                            Plan(fsdp=2), timeout=120)
+    server = spawn_llm_server(spawn_procs(per_host={"gpus": 2}), model, Plan(tp=2) if plan == "tp2" else Plan(pp=2), timeout=120)
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        with LLMServerClient(server) as client:
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                hf = transformers.LlamaForCausalLM(config).eval()
+                trainer.load_state_dict.call(from_hf_state_dict(hf.state_dict())).get(timeout=60)
+                client.update_weights(publish_weights(trainer, version=seed), timeout_s=60)
+                ids = torch.tensor([prompt])
+                want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+                async def greedy() -> list[int]:
+                    return [t async for t in client.generate(prompt, SamplingParams(max_tokens=8))]
+
+                assert asyncio.run(asyncio.wait_for(greedy(), 60)) == want
+    finally:
+        server.stop().get(timeout=60)
