@@ -75,16 +75,13 @@ class KVCache:
             raise ValueError(f"position {kv_len - 1} is beyond the cache's max_len={self.max_len}")
         self._slots = slots
         self._positions = positions
-        self._flat = (slots[:, None] * self.max_len + positions).reshape(-1)
+        self._flat = None  # made at the first update: under torch.compile, inside the graph
         ids = slot_ids if slot_ids is not None else slots.tolist()
         consecutive = self.views and ids == list(range(ids[0], ids[0] + len(ids)))
         self._span = (ids[0], ids[0] + len(ids)) if consecutive else None
         self._kv_len = kv_len
         self._uniform = uniform
-        self._masks = {}
-        if not uniform:  # else built on first use (a uniform step under SDPA needs none)
-            for kind in ("full_attention", "sliding_attention") if self.sliding_window else ("full_attention",):
-                self._build_mask(kind)
+        self._masks = {}  # each built on first use: under torch.compile inside the graph; a uniform step under SDPA needs none
 
     def mask(self, layer_type: str = "full_attention", allow_causal: bool = False) -> Any:
         """Boolean ``[B, 1, T, kv_len]`` mask (True = attend) for the bound rows.
@@ -123,6 +120,8 @@ class KVCache:
             shape = (self.max_slots, self.max_len, key.shape[1], key.shape[3])
             self.keys[layer_idx] = torch.zeros(shape, dtype=key.dtype, device=key.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+        if self._flat is None:
+            self._flat = (self._slots[:, None] * self.max_len + self._positions).reshape(-1)
         out = []
         for new, cache in ((key, self.keys[layer_idx]), (value, self.values[layer_idx])):
             rows = new.transpose(1, 2).reshape(-1, *cache.shape[2:])
