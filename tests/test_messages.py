@@ -50,7 +50,47 @@ def test_a_hello_without_extra_gets_none() -> None:
     assert type(hello) is M.Hello and hello.extra is None
 
 
-@pytest.mark.parametrize("bad", [(), [M.CALL], (99, "x"), (M.REPLY, 1, 2), ("x",), 5, None])
+@pytest.mark.parametrize("bad", [(), [M.CALL], (99, "x"), (-1, ("a", 1)), (M.REPLY, 1, 2), ("x",), 5, None])
 def test_anything_else_is_refused(bad: object) -> None:
     with pytest.raises(ValueError):
         M.decode(pickle.dumps(bad, 5))
+
+
+class _Capture:
+    """A route stand-in that keeps what the verbs hand it."""
+
+    dead = None
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, env: tuple, payload: object = (), key: object = None) -> None:
+        self.sent.append((env, key))
+
+
+def test_the_verbs_build_messages_that_decode_to_their_types() -> None:
+    from actormesh.runtime import ProcRuntime
+
+    rt = ProcRuntime(name="verbs")
+    try:
+        peer, capture = "unix:/nonexistent/peer.sock", _Capture()
+        rt._routes[peer] = capture  # type: ignore[assignment]
+        rt.call_actor(peer, "counter-1", "incr", (rt.address, 3), 2, ("gpus",), (4,), [b""])
+        rt.reply((peer, 7), 1, M.OK, [b""])
+        rt.stop_actor(peer, "counter-1", None, 0)
+        rt.spawn_actor(peer, "counter-1", 0, (), (), None, None, "<c>", False, [b""])
+        rt.cast("counter-1", "incr", None, (), (), [peer, peer], [b""], fanout=8)
+        types, keys = [], []
+        for env, key in capture.sent:
+            back = M.decode(M.encode(env))
+            assert back == tuple(env) and M.typed(tuple(env)) == back
+            types.append(type(back))
+            keys.append(key)
+        assert types == [M.Call, M.Reply, M.StopActor, M.Spawn, M.Cast, M.Cast]  # one cast per subtree
+        assert keys == ["counter-1", 7, "counter-1", None, "counter-1", "counter-1"]  # what a connection keeps in order
+        call, _, stop, _, cast0, cast1 = (M.decode(M.encode(env)) for env, _ in capture.sent)
+        assert (call.sender, call.seq, call.member) == (rt.address, 0, 2)
+        # one sequence per destination actor, whether by call, stop or cast
+        assert (stop.seq, cast0.members, cast1.members) == (1, ((0, peer, 2),), ((1, peer, 3),))
+    finally:
+        rt.close()

@@ -271,7 +271,7 @@ class ProcRuntime(Verbs):
 
     def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
         """A message could not reach ``address``: fail the reply it asked for."""
-        port, index = reply_port(env)
+        port, index = reply_port(M.typed(env))
         if port is not None and port[0] != address:
             self.reply(port, index, M.SUPERVISION, dumps(reason))
 

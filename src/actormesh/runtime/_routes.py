@@ -9,6 +9,7 @@ route's lock, so nothing overtakes what was queued earlier.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from ..telemetry import FIGURES
 from ..telemetry import STATE as _TELEMETRY
 from ..transport import Connection, Segment
 from . import _messages as M
-from ._messages import BIG_PAYLOAD_BYTES
+from ._messages import BIG_PAYLOAD_BYTES, typed
 
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
@@ -35,13 +36,17 @@ _TO_PORT = frozenset({M.REPLY, M.REPLY_MULTI})
 
 def order_key(env: Any) -> Any:
     """What a message must stay in order with on its connection (see transport._outgoing):
-    messages to one actor, or replies to one port. Any other kind keeps its place among all."""
+    messages to one actor (its name, a str), or replies to one port (its id, an int: never
+    equal to a name, and no tuple to build per message). Any other kind keeps its place among all."""
     kind = env.kind
     if kind in _TO_ACTOR:
-        return ("actor", env.actor)
+        return env.actor
     if kind in _TO_PORT:
-        return ("port", env.port)
+        return env.port
     return None
+
+
+_dumps = pickle.dumps
 
 
 def _payload_bytes(payload: Sequence[Segment]) -> int:
@@ -71,8 +76,10 @@ class Route:
         #: Messages handed to this route (for benchmarks and diagnostics).
         self.sent = 0
 
-    def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:
-        """Send from any thread; fails the message's reply port if the peer is gone."""
+    def send(self, env: Envelope, payload: Sequence[Segment] = (), key: Any = None) -> None:
+        """Send from any thread; fails the message's reply port if the peer is gone.
+
+        ``key`` is the message's :func:`order_key` (the verb that built it knows it)."""
         self.sent += 1  # not atomic across threads: a statistic, not an invariant
         if _TELEMETRY.on:
             FIGURES.bytes_out += sum(len(s) if type(s) is bytes else memoryview(s).nbytes for s in payload)
@@ -98,7 +105,8 @@ class Route:
                 return
         big = _payload_bytes(payload) >= BIG_PAYLOAD_BYTES
         try:
-            event = conn.send([M.encode(env), *payload], wait_flushed=big, order_key=order_key(env))
+            # tuple(): the wire form is the plain tuple (a plain one passes as itself).
+            event = conn.send([_dumps(tuple(env), 5), *payload], wait_flushed=big, order_key=key)
         except TransportError as exc:
             self._runtime.undeliverable(env, self.address, Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc))
             return
@@ -113,7 +121,7 @@ class Route:
                 return
             pending, self._pending = self._pending, []
             for env, payload in pending:
-                conn.send([M.encode(env), *payload], order_key=order_key(env))
+                conn.send([_dumps(tuple(env), 5), *payload], order_key=order_key(typed(env)))
             self.conn = conn
             self.connecting = False
 
@@ -164,15 +172,15 @@ class LocalRoute:
         self.dead: Cause | None = None
         self._dispatch = dispatch
 
-    def send(self, env: Envelope, payload: Sequence[Segment] = ()) -> None:
-        """Queue for dispatch on the loop thread.
+    def send(self, env: Envelope, payload: Sequence[Segment] = (), key: Any = None) -> None:
+        """Queue for dispatch on the loop thread (``key``: unused, one connection-less queue).
 
         Out-of-band buffers still alias the sender's memory here (no socket in
         between), so they are copied once: a message is a copy, as across procs.
         """
         if len(payload) > 1:
             payload = [payload[0], *(bytearray(s) for s in payload[1:])]
-        self._queue.append((env, payload))
+        self._queue.append((typed(env), payload))
         if not self._scheduled:
             self._scheduled = True
             if self._runtime.in_loop():

@@ -16,11 +16,10 @@ from ..transport import Segment
 from . import _messages as M
 from ._messages import ActorRef, PortRef
 from ._ordering import SeqOut
-from ._routes import LocalRoute, Route
+from ._routes import LocalRoute, Route, order_key
 
 __all__ = ["Verbs"]
 
-_new = tuple.__new__
 
 
 class Verbs:
@@ -40,7 +39,7 @@ class Verbs:
         r = self._routes.get(address)
         if r is None:
             r = self.route(address)
-        r.send(env, payload)
+        r.send(env, payload, order_key(env))
 
     def call_actor(self, address: str, actor: str, endpoint: str, reply: PortRef | None, index: int,
                    labels: tuple[str, ...], sizes: tuple[int, ...], payload: Sequence[Segment]) -> None:
@@ -50,8 +49,9 @@ class Verbs:
         if r is None:
             r = self.route(address)
         seq = self.seq_out.next(address, actor) if r.dead is None else None
-        # tuple.__new__: the hot path skips NamedTuple's Python-level constructor.
-        r.send(_new(M.Call, (M.CALL, actor, endpoint, reply, index, labels, sizes, self.address, seq)), payload)
+        # The hottest path: the wire form of an M.Call, the plain tuple, with no NamedTuple
+        # copy on the way (the receiver's decode gives it its type; see messages.typed).
+        r.send((M.CALL, actor, endpoint, reply, index, labels, sizes, self.address, seq), payload, actor)
 
     def cast(self, actor: str, endpoint: str, reply: PortRef | None, labels: tuple[str, ...], sizes: tuple[int, ...],
              addresses: Sequence[str], payload: Sequence[Segment], fanout: int) -> list[str]:
@@ -71,7 +71,7 @@ class Verbs:
             members = tuple((i, addresses[i], nxt(addresses[i], actor) if live else 0) for i in chunk)
             for i in chunk:
                 owed[i] = root
-            r.send(M.Cast(M.CAST, actor, endpoint, reply, labels, sizes, self.address, members), payload)
+            r.send(M.Cast(M.CAST, actor, endpoint, reply, labels, sizes, self.address, members), payload, actor)
         return owed
 
     def spawn_actor(self, address: str, actor: str, rank: int, labels: tuple[str, ...], sizes: tuple[int, ...],
@@ -87,7 +87,7 @@ class Verbs:
         if r is None:
             r = self.route(address)
         seq = self.seq_out.next(address, actor) if r.dead is None else None
-        r.send(M.StopActor(M.STOP_ACTOR, actor, reply, index, self.address, seq))
+        r.send(M.StopActor(M.STOP_ACTOR, actor, reply, index, self.address, seq), (), actor)
 
     def stop_proc(self, address: str, reply: PortRef | None = None) -> None:
         """Ask the process at ``address`` to exit."""
@@ -96,7 +96,11 @@ class Verbs:
     def reply(self, port: PortRef | None, index: int, status: int, payload: Sequence[Segment]) -> None:
         """Send a reply to a port reference (no-op for None)."""
         if port is not None:
-            self.send(port[0], _new(M.Reply, (M.REPLY, port[1], index, status, self.address)), payload)
+            r = self._routes.get(port[0])
+            if r is None:
+                r = self.route(port[0])
+            # The wire form of an M.Reply, as in call_actor.
+            r.send((M.REPLY, port[1], index, status, self.address), payload, port[1])
 
     def reply_many(self, port: PortRef, entries: tuple[tuple[int, int, int], ...], payload: Sequence[Segment]) -> None:
         """Send a subtree's replies as one message: ``entries`` are ``(index, status, nseg)``."""
