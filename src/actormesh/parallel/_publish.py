@@ -108,8 +108,16 @@ class PublishedWeights:
                 raise ValueError(f"{name!r} was published with shape {tuple(meta[name].shape)}, the destination's is {tuple(dst.shape)}")
         plans = [_plan_reads(layout, dests) for _, layout in self.parts]
         _check_covered(dests, [covered for _, _, covered in plans])
-        reads = [buf.read_ranges(ranges, timeout=timeout_s) for (buf, _), (ranges, _, _) in zip(self.parts, plans)]
-        for read in reads:
+        # Across hosts the parts stream at once (each waits on the network); on this host one after
+        # another: each read is a copy that keeps a core busy, and several readers at once (the other
+        # replicas) already fill the cores: more threads only contend (measured: 0.043 s against 0.063 s
+        # for two replicas reading 440 MB each).
+        parts = [(buf, ranges, buf.backend == "tcp") for (buf, _), (ranges, _, _) in zip(self.parts, plans)]
+        remote = [buf.read_ranges(ranges, timeout=timeout_s) for buf, ranges, far in parts if far]
+        for buf, ranges, far in parts:
+            if not far:
+                buf.read_ranges(ranges, timeout=timeout_s).get(timeout=timeout_s + 5)
+        for read in remote:
             read.get(timeout=timeout_s + 5)
         self._check_stamps(timeout_s)
         for _, later, _ in plans:
