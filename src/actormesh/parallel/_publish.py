@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,7 @@ class PublishedWeights:
         return out
 
     def fetch(self, timeout_s: float = 300.0) -> dict[str, Any]:
-        """Read the weights here (every part at once) into new tensors; RDMAError (OwnerGoneError, ...)
+        """Read the weights here into new tensors (see :meth:`read_into`); RDMAError (OwnerGoneError, ...)
         if a publishing rank is gone, BufferDroppedError if it published twice more meanwhile."""
         import torch
 
@@ -112,14 +113,15 @@ class PublishedWeights:
         # another: each read is a copy that keeps a core busy, and several readers at once (the other
         # replicas) already fill the cores: more threads only contend (measured: 0.043 s against 0.063 s
         # for two replicas reading 440 MB each).
+        deadline = time.monotonic() + timeout_s
         parts = [(buf, ranges, buf.backend == "tcp") for (buf, _), (ranges, _, _) in zip(self.parts, plans)]
         remote = [buf.read_ranges(ranges, timeout=timeout_s) for buf, ranges, far in parts if far]
         for buf, ranges, far in parts:
             if not far:
-                buf.read_ranges(ranges, timeout=timeout_s).get(timeout=timeout_s + 5)
+                buf.read_ranges(ranges, timeout=_left(deadline)).get(timeout=_left(deadline) + 5)
         for read in remote:
-            read.get(timeout=timeout_s + 5)
-        self._check_stamps(timeout_s)
+            read.get(timeout=_left(deadline) + 5)
+        self._check_stamps(_left(deadline))
         for _, later, _ in plans:
             for temp, dst, index, dtype, shape in later:
                 dst[index].copy_(temp.view(dtype).view(shape))
@@ -136,6 +138,11 @@ class PublishedWeights:
                 raise BufferDroppedError(f"weights version {self.version}: {buf.owner} published newer weights over them while they were "
                                          "read (a reader must finish before the trainer publishes twice more); read the newer version",
                                          owner=buf.owner)
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline``, at least a little (an RDMA timeout must be positive; a late read then times out)."""
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def _plan_reads(layout: Layout, dests: Mapping[str, Any]) -> tuple[list[Any], list[Any], dict[str, int]]:
