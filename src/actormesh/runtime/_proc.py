@@ -42,6 +42,7 @@ __all__ = ["ProcRuntime"]
 
 Envelope = Any  # a Message of any kind: code here branches on its .kind, which a type checker cannot narrow
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
+_decode = M.decode
 
 
 class ProcRuntime(Verbs):
@@ -284,7 +285,7 @@ class ProcRuntime(Verbs):
     # -- receiving --------------------------------------------------------------------------
     def _on_frame(self, conn: Connection, segments: list[Segment]) -> None:
         try:
-            env = M.decode(segments[0])
+            env = _decode(segments[0])
         except Exception as exc:
             log.warning("closing connection from %s: bad envelope (%s)", conn.peer_name, exc)
             conn.abort()  # a protocol error: nothing more is read from this peer
@@ -308,12 +309,12 @@ class ProcRuntime(Verbs):
 
     def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
         kind = env.kind
-        if kind in _SEQUENCED:
-            self._reorder.push((env.sender, env.actor), env.seq, env, payload)
-        elif kind == M.REPLY:
+        if kind == M.REPLY:  # the commonest kind first
             handler = self.ports.get(env.port)
             if handler is not None:
                 handler.deliver(env, payload)
+        elif kind in _SEQUENCED:
+            self._reorder.push((env.sender, env.actor), env.seq, env, payload)
         elif kind == M.SPAWN:
             if self.on_spawn is not None:
                 self.on_spawn(env, payload)
