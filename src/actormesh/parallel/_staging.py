@@ -10,8 +10,10 @@ parameter's memory with its staged tensor (``param.data = staged``: no copy);
 the old memory becomes the spare set for the next update, so after the first
 update no memory is allocated and no page is faulted in.
 
-A DTensor (tensor-parallel) parameter, or a staged tensor of another dtype,
-is copied in instead of swapped (its shard of the full staged tensor).
+A DTensor (tensor-parallel) parameter, or a staged tensor of another dtype
+or device, is copied in instead of swapped (its shard of the full staged
+tensor); a full tensor staged for a DTensor is not kept as spare (it is
+``tp`` times the rank's shard).
 
 Threads: ``stage`` runs on any thread, ``install`` on the thread that runs
 the model's steps. Two stages at once are safe (the second allocates).
@@ -100,7 +102,8 @@ class WeightStaging:
                 if isinstance(dst, DTensor) or new.dtype != dst.dtype or new.device != dst.device:
                     into, src = shard_of(dst, new)
                     into.copy_(src)
-                    old[name] = new
+                    if not isinstance(dst, DTensor):  # a full tensor per TP rank would cost tp x the shard: not kept
+                        old[name] = new
                     continue
                 old[name] = dst.data
                 dst.data = new
