@@ -93,7 +93,7 @@ _MONARCH_ONLY = frozenset(
     terminated_snapshot_retention tokio_worker_threads use_direct_spawn""".split()
 )
 
-_TRANSPORT_VALUES = {
+_TRANSPORT_VALUES: dict[Any, dict[str, Any]] = {
     ChannelTransport.Unix: {"default_transport": "unix"},
     ChannelTransport.TcpWithHostname: {"default_transport": "tcp"},
     ChannelTransport.TcpWithLocalhost: {"default_transport": "tcp"},

@@ -163,12 +163,12 @@ def _coerce(key: str, value: Any, *, from_env: bool) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigTypeError(f"config key {key!r} expects seconds or a duration string like '30s', got {value!r}")
         try:
-            result = float(value) if isinstance(value, (int, float)) else _parse_duration(str(value))
+            seconds = float(value) if isinstance(value, (int, float)) else _parse_duration(str(value))
         except ValueError as exc:
             raise ConfigError(f"config key {key!r}: {exc}") from exc
-        if not result > 0 or result == float("inf"):
+        if not seconds > 0 or seconds == float("inf"):
             raise ConfigError(f"config key {key!r} must be a positive finite duration, got {value!r}")
-        return result
+        return seconds
     if not isinstance(value, str):
         raise ConfigTypeError(f"config key {key!r} expects a string, got {value!r}")
     if key == "default_transport" and value not in _TRANSPORTS:

@@ -18,7 +18,7 @@ def command(job_spec: str | None, mesh: str | None, host: int, workdir: str | No
     state = job.state()
     names = state.names()
     mesh = mesh or (names[0] if names else None)
-    if mesh not in state:
+    if mesh is None or mesh not in state:
         raise click.UsageError(f"the job has no mesh {mesh!r}; it has {', '.join(names) or 'none'}")
     hosts = state[mesh]
     if not 0 <= host < hosts.size():

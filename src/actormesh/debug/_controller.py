@@ -11,6 +11,7 @@ console at a time: a second one is refused with a message saying who holds it.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import os
 import sys
@@ -61,7 +62,11 @@ class DebugController(Actor):
         self._job_dir = current_runtime().job_dir
         loop = asyncio.get_running_loop()
         # A paused actor whose proc dies leaves the list (the hook runs on the runtime's I/O thread).
-        self._peer_hook = lambda address, reason: loop.call_soon_threadsafe(self._peer_lost, address, reason)
+
+        def peer_hook(address: str, reason: str) -> None:
+            loop.call_soon_threadsafe(self._peer_lost, address, reason)
+
+        self._peer_hook = peer_hook
         current_runtime().on_peer_lost.append(self._peer_hook)
         self._serving = asyncio.ensure_future(self._serve())
         self._tasks: set[asyncio.Future[Any]] = {self._serving, asyncio.ensure_future(self._tick())}
@@ -162,9 +167,13 @@ class DebugController(Actor):
             return
         task = asyncio.ensure_future(self._run_console(io, "actormesh debug"))
         self._tasks.add(task)
-        task.add_done_callback(lambda t: (self._tasks.discard(t), io.close("the job ended; the debug console closes" if t.cancelled() else "")))
+        def done(t: asyncio.Future[Any]) -> None:
+            self._tasks.discard(t)
+            io.close("the job ended; the debug console closes" if t.cancelled() else "")
 
-    def _on_frame(self, conn: Connection, frame: list[Any]) -> None:
+        task.add_done_callback(done)
+
+    def _on_frame(self, conn: Connection, frame: builtins.list[Any]) -> None:  # ``list`` here is the endpoint
         if isinstance(conn.tag, ConnIO):
             conn.tag.feed(frame)
 

@@ -10,7 +10,7 @@ import math
 import os
 import time
 from contextlib import suppress
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import lightning.pytorch as pl
 import torch
@@ -176,7 +176,7 @@ class ActorMeshLauncher(_Launcher):
                                       "(as with Lightning's spawn strategies): create a new Trainer, on the same procs if "
                                       "you like, and pass fit(ckpt_path=...) to resume")
         setup_torch_elastic_env(strategy.procs, timeout=strategy.setup_timeout_s)
-        runners: ActorMesh[_RankRunner] = strategy.procs.spawn("lightning_rank", _RankRunner)
+        runners = cast("ActorMesh[_RankRunner]", strategy.procs.spawn("lightning_rank", _RankRunner))
         try:
             output = self._run(runners, trainer, function, args, kwargs)
         finally:

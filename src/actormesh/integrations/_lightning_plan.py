@@ -101,6 +101,7 @@ class ActorMeshModelParallelStrategy(MeshStrategyMixin, ModelParallelStrategy):
     """
 
     strategy_name = "actormesh_model_parallel"
+    model: Any  #: Lightning's attribute (its type is not seen here: Lightning's sources are not type-checked)
 
     def __init__(self, procs: ProcMesh, plan: Plan, *, timeout_s: float | None = None, failure_grace_s: float = 30.0,
                  setup_timeout_s: float = 60.0, save_distributed_checkpoint: bool = True,

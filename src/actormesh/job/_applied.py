@@ -144,8 +144,8 @@ def start_keeper(request: dict[str, Any], directory: str = APPLIED_DIR, timeout_
     for stale in ("record.json", "error.txt", "credentials", "job_state.pkl"):
         (d / stale).unlink(missing_ok=True)
     write_json(d / "request.json", {**request, "timeout_s": timeout_s})
-    with open(d / "keeper.log", "wb") as log:
-        keeper = subprocess.Popen([sys.executable, "-m", _KEEPER_MODULE, str(d)], stdin=subprocess.DEVNULL, stdout=log,
+    with open(d / "keeper.log", "wb") as keeper_log:
+        keeper = subprocess.Popen([sys.executable, "-m", _KEEPER_MODULE, str(d)], stdin=subprocess.DEVNULL, stdout=keeper_log,
                                   stderr=subprocess.STDOUT, start_new_session=True, cwd=os.getcwd(), close_fds=True)
     deadline = time.monotonic() + timeout_s + 15
     while True:

@@ -98,7 +98,7 @@ def exec_command(host_mesh: HostMesh, cmd: list[str], env: dict[str, str] | None
         target = host_mesh
     procs = target.spawn_procs(per_host=dict(per_host) if per_host else None, name="exec")
     per = math.prod(per_host.values()) if per_host else 1
-    runners = procs.spawn("exec_command", _CommandRunner)
+    runners: Any = procs.spawn("exec_command", _CommandRunner)  # an ActorMesh (spawn is typed as returning the class)
     args = (list(cmd), dict(env or {}), workdir or os.getcwd(), output_dir, timeout_s)
     pending = runners.run.call(*args[:4], None, timeout_s) if per == 1 else None
     pendings = None

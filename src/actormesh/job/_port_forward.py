@@ -267,7 +267,8 @@ class PortForwarder(Actor):
             destination.configure.call(dst_port).get(timeout=60)
             listening = source.start.call(destination, src_address).get(timeout=60)
         except BaseException:
-            for mesh in (source, destination):
+            started: list[Any] = [source, destination]  # ActorMeshes (spawn is typed as returning the class)
+            for mesh in started:
                 try:
                     mesh.stop().get(timeout=30)
                 except Exception:

@@ -240,7 +240,12 @@ def _session(to_shell: Port[Any], receiver: Any, remote: Any) -> int:
     restore = _raw_mode()
     previous = None
     if restore is not None and threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGWINCH, lambda *_: (size := _terminal_size()) and to_shell.send(("winsize", size)))
+        def resized(*_: Any) -> None:
+            size = _terminal_size()
+            if size:
+                to_shell.send(("winsize", size))
+
+        previous = signal.signal(signal.SIGWINCH, resized)
     threading.Thread(target=_pump_stdin, args=(to_shell, finished), daemon=True).start()
     write = _terminal_writer()
     quiet = 0

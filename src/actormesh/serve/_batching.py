@@ -59,7 +59,7 @@ def batched(max_batch_size: int = 8, max_wait_ms: float = 10.0) -> Callable[[Cal
             return await batcher.submit(item)
 
         one.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        prop = EndpointProperty(one, concurrent=True)
+        prop: EndpointProperty[Any] = EndpointProperty(one, concurrent=True)
         prop.max_batch_size = max_batch_size  # type: ignore[attr-defined]
         prop.max_wait_ms = max_wait_ms  # type: ignore[attr-defined]
         return prop

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from functools import partial
 from time import perf_counter
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ActorError, SupervisionError
 from ..runtime import Future
@@ -103,7 +104,7 @@ class ServiceCore(ReplicaLifecycle):
                     f"service {spec.name} is overloaded: every replica has {maxc} requests in flight and {maxq} queued; "
                     "retry later, or raise max_concurrency/max_queue, or add replicas with svc.scale(n)", service=spec.name)
             raise ServiceUnavailable(f"service {spec.name} has no replica that can take requests ({self._states()})", service=spec.name)
-        replica = self.router.pick(eligible, endpoint)
+        replica = cast(Replica, self.router.pick(eligible, endpoint))  # routers hand back one of ``eligible``
         if session is not None:
             self._sessions[session] = replica.slot
         return replica
@@ -204,7 +205,7 @@ class ServiceCore(ReplicaLifecycle):
                 stats.requests += 1
             actions = self._died(r, req.generation, str(exc))
             if r.drained is not None and r.in_flight == 0 and r.state == DRAINING:
-                actions.append(lambda d=r.drained: d._set_result(None))
+                actions.append(partial(r.drained._set_result, None))
         if retry:
             req.attempts += 1
             self._resubmit(req, exc)
@@ -225,7 +226,7 @@ class ServiceCore(ReplicaLifecycle):
             r.in_flight += 1
             nxt.generation = r.generation
             sender = r.sender(nxt.endpoint, self.spec.to_all(nxt.endpoint))
-            actions.append(lambda n=nxt, s=sender: self._dispatch(r, n, s))
+            actions.append(partial(self._dispatch, r, nxt, sender))
         return actions
 
     def _resubmit(self, req: Request, cause: BaseException | None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..runtime import Future
@@ -78,7 +79,7 @@ class ReplicaLifecycle:
         r.stats.restarts += 1
         gen = r.generation
         actions: Actions = [lambda: self._ask_owner("stop_procs", token), lambda: self._ask_owner("build", r.slot, gen, 0.0)]
-        actions += [lambda q=q: self._resubmit(q, None) for q in moved]
+        actions += [partial(self._resubmit, q, None) for q in moved]
         return actions
 
     def restart(self, slot: int, generation: int | None, cause: str) -> bool:
@@ -198,20 +199,20 @@ class ReplicaLifecycle:
             waits: list[Future[None]] = []
             actions: Actions = []
             for v in victims:
-                actions += [lambda q=q: self._resubmit(q, None) for q in v.queue]
+                actions += [partial(self._resubmit, q, None) for q in v.queue]
                 v.queue.clear()
                 if v.state == STARTING:
                     v.generation += 1  # a build still running for it is discarded when it ends
                     v.state = STOPPED
                     self._replicas.remove(v)
-                    actions.append(lambda v=v: v.up._set_result(None))  # no longer wanted: nobody waits for it
+                    actions.append(partial(v.up._set_result, None))  # no longer wanted: nobody waits for it
                     continue
                 v.state = DRAINING
                 v.gone, v.drained = Future._create(), Future._create()
                 if v.in_flight == 0:
                     v.drained._set_result(None)
                 waits.append(v.gone)
-                actions.append(lambda v=v: self._ask_owner("retire", v.slot, v.generation, self.spec.drain_timeout_s))
+                actions.append(partial(self._ask_owner, "retire", v.slot, v.generation, self.spec.drain_timeout_s))
             grow = max(0, n - len(live))
         for act in actions:
             act()

@@ -18,7 +18,7 @@ import itertools
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from ..mesh import ActorMesh
@@ -30,7 +30,7 @@ __all__ = ["LLMServerClient"]
 
 
 async def stream_tokens(queue: asyncio.Queue[tuple[str, Any]], timeout_s: float, source: str,
-                        cancel: Callable[[], Any]) -> AsyncIterator[int]:
+                        cancel: Callable[[], Any]) -> AsyncGenerator[int, None]:
     """Yield the token ids a request's ``queue`` receives until ``("end", _)``;
     raise what ``("failed", exc)`` carries, or TimeoutError after ``timeout_s``
     without a token. ``cancel()`` (not awaited) when the stream ends before the

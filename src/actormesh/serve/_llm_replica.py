@@ -35,7 +35,7 @@ class _Replica:
         self.max_context = self.model_max if max_context is None else int(max_context)
         if not 1 < self.max_context <= self.model_max:
             raise ValueError(f"max_context={max_context} must be in 2..{self.model_max} (the model's positions)")
-        config = getattr(probe, "config", None)
+        config: Any = getattr(probe, "config", None)
         self.vocab_size = int(config.vocab_size) if getattr(config, "vocab_size", None) is not None else None
         self.distributed = plan.world_size > 1
         self.rank = int(os.environ.get("RANK", "0")) if self.distributed else 0

@@ -160,7 +160,7 @@ class LLMService:
             raise TypeError(f"plan must be an actormesh.parallel.Plan, got {type(plan).__name__}")
         if not stream_interval_s >= 0:
             raise ValueError(f"stream_interval_s must be >= 0 seconds, got {stream_interval_s!r}")
-        options = {"name": "llm", "max_concurrency": max_slots,
+        options: dict[str, Any] = {"name": "llm", "max_concurrency": max_slots,
                    "all_members": ("setup", "stage_weights", "drop_staged", "check_version")}
         options.update(service_options)
         self.service: Service[ServedLLM] = Service(

@@ -121,7 +121,7 @@ class Endpoint:
 
     async def collect(self, request: Request, pieces: AsyncIterator[Piece], first: Piece, total: int) -> list[dict[str, Any]]:
         """Run every choice to its end; return ``[{"text", "finish_reason", "tokens"}]``."""
-        out = [{"text": "", "finish_reason": None, "tokens": 0} for _ in range(total)]
+        out: list[dict[str, Any]] = [{"text": "", "finish_reason": None, "tokens": 0} for _ in range(total)]
 
         def add(piece: Piece) -> None:
             slot = out[piece.index]

@@ -20,6 +20,7 @@ Importing this module imports neither torch nor transformers (they load on call)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 __all__ = ["make_tiny_llama", "make_tokenizer", "CHAT_TEMPLATE"]
 
@@ -40,7 +41,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def make_tokenizer(path: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> object:
+def make_tokenizer(path: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> Any:
     """Train a byte-level BPE tokenizer on CORPUS and save it under ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

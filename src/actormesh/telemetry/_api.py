@@ -122,7 +122,7 @@ def get_meter(name: str = "actormesh", version: str = "", schema_url: str | None
         from opentelemetry import metrics
     except ImportError:
         return NoopMeter(name)
-    return metrics.get_meter(name, version or None, schema_url=schema_url, attributes=attributes)
+    return metrics.get_meter(name, version or None, schema_url=schema_url, attributes=attributes)  # type: ignore[arg-type]  # None: no version
 
 
 def span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:

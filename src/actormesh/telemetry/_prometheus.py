@@ -56,7 +56,8 @@ class _SnapshotCollector:
 
 def _buckets(counts: Sequence[int]) -> list[tuple[str, float]]:
     bounds = [*(repr(b) for b in LATENCY_BUCKETS_S), "+Inf"]
-    total, rows = 0, []
+    total = 0
+    rows: list[tuple[str, float]] = []
     for bound, n in zip(bounds, counts):
         total += n
         rows.append((bound, total))

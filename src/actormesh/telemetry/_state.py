@@ -39,8 +39,8 @@ def otel_trace() -> Any:
     global _trace
     if _trace is _UNSET:
         try:
-            from opentelemetry import trace
+            from opentelemetry import trace as found
         except ImportError:
-            trace = None
-        _trace = trace
+            found = None  # type: ignore[assignment]
+        _trace = found
     return _trace

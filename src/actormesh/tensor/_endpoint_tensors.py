@@ -44,6 +44,7 @@ def endpoint_rref(actors: Any, prop: Any, args: tuple[Any, ...], kwargs: dict[st
         raise ValueError(f"{what}: the actor mesh {dict(zip(mine.labels, mine.sizes))} and the tensor mesh "
                          f"{dict(zip(theirs.labels, theirs.sizes))} differ; spawn the actors on the active proc mesh "
                          "(procs.spawn(...)) and activate that mesh")
+    mutated: list[Any]
     if propagate == "inspect":
         spec, mutated = None, []
     else:

@@ -123,7 +123,7 @@ def scan_args(what: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, need_
                     key.append((type(x), x))
                 except TypeError:
                     key = None
-    view = tensors[0]._view if tensors else ambient
+    view: Any = tensors[0]._view if tensors else ambient  # None only where no mesh is needed
     if view is None and need_view:
         raise ValueError(f"{what}: {_NO_MESH}")
     for t in tensors:

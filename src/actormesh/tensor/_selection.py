@@ -315,9 +315,10 @@ class _Parser:
             step = 1
             if self.peek(":"):
                 self.i += 1
-                step = self.number()
-                if step is None:
+                given = self.number()
+                if given is None:
                     raise self.fail("missing step")
+                step = given
                 if step == 0:
                     raise self.fail("step must be positive")
             return ("range", (start or 0, end, step), _TRUE)
