@@ -251,6 +251,7 @@ class LLMServer(Actor):
         if weights is None:
             raise ValueError("weights must be a state dict or a path to a weights file, got None")
         replica = self.replica
+        state: Any
         if isinstance(weights, PublishedWeights):  # checked, then read straight into the spare set (no copy at the swap)
             state = await asyncio.to_thread(replica.staging.stage, weights)
         else:
