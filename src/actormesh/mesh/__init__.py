@@ -1,5 +1,6 @@
 """Mesh layer: shapes, value meshes, proc/host/actor meshes and endpoint adverbs."""
 
+from ..runtime import ProcRuntime
 from ..runtime import hooks as _hooks
 from ._actor_mesh import ActorMesh
 from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, as_endpoint, send
@@ -59,8 +60,8 @@ def _make_point(index: int, labels: tuple[str, ...], sizes: tuple[int, ...]) -> 
     return Point(index, Extent(labels, sizes))
 
 
-def _on_runtime(rt: object) -> None:
-    if getattr(rt, "root_address", None) == getattr(rt, "address", None):
+def _on_runtime(rt: ProcRuntime) -> None:
+    if rt.root_address == rt.address:
         install_singleton_handler(rt)
 
 

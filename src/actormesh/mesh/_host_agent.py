@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..runtime import (
     Actor,
@@ -33,6 +33,9 @@ from ..runtime import (
 )
 from ..transport import dumps
 from ._logs import pump
+
+if TYPE_CHECKING:
+    from ..runtime import ProcRuntime
 
 log = logging.getLogger("actormesh.host")
 
@@ -172,7 +175,7 @@ class HostAgent(Actor):
 _shutdowns: dict[int, Any] = {}
 
 
-def shutdown_requested(runtime: Any) -> Any:
+def shutdown_requested(runtime: ProcRuntime) -> Any:
     """A Future that completes when a controller shuts this agent's host down."""
     from ..runtime import Future
 
@@ -186,7 +189,7 @@ class EventPort:
     """Controller-side handler of an agent's events: logs to the sink, exits to
     the runtime (so calls waiting on a dead remote proc fail at once)."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: ProcRuntime) -> None:
         from ._logs import sink
 
         self.runtime = runtime
@@ -236,6 +239,6 @@ def serve_agent(address: str, secret: bytes, controller: str | None = None, name
     return rt
 
 
-def join_listener(runtime: Any, on_join: Any) -> None:
+def join_listener(runtime: ProcRuntime, on_join: Any) -> None:
     """Call ``on_join(address, hostname, pid)`` (loop thread) for every agent that dials in."""
     runtime.on_join.append(on_join)

@@ -17,7 +17,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..runtime import CLIENT_NAME, ChildProc, Future, context, current_runtime, gather, runtime_started, spawn_children, when_done
 from ..transport import dumps
@@ -29,6 +29,9 @@ from ._progress import progress
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._workspace import DEFAULT_EXCLUDE, WorkspaceSync, resolve_dirs, sync_workspace
 from ._workspace_reload import WorkspaceReloader
+
+if TYPE_CHECKING:
+    from ..runtime import ProcRuntime
 
 __all__ = ["HostMesh", "this_host"]
 
@@ -143,7 +146,7 @@ class HostMesh(MeshTrait):
         me._children = [*(m for m in me._children or () if _running(m)), pm]
         return pm
 
-    def _spawn_local(self, rt: Any, shape: Shape, base: str, bootstrap: Callable[[], Any] | None, owner: str, commands: Any) -> ProcMesh:
+    def _spawn_local(self, rt: ProcRuntime, shape: Shape, base: str, bootstrap: Callable[[], Any] | None, owner: str, commands: Any) -> ProcMesh:
         names = [f"{base}-{i}" for i in range(len(shape))]
         host = socket.gethostname()
 
@@ -155,7 +158,7 @@ class HostMesh(MeshTrait):
         addresses = [c.address for c in children]
         return ProcMesh(addresses, shape, base, _ProcMeshState(children, bootstrap=bootstrap, owner=owner, addresses=addresses, commands=commands))
 
-    def _spawn_remote(self, rt: Any, shape: Shape, per: int, base: str, bootstrap: Callable[[], Any] | None, owner: str,
+    def _spawn_remote(self, rt: ProcRuntime, shape: Shape, per: int, base: str, bootstrap: Callable[[], Any] | None, owner: str,
                       commands: Any) -> ProcMesh:
         blob = bytes(dumps(bootstrap, out_of_band=False)[0]) if bootstrap is not None else None
         port = _event_port(rt)

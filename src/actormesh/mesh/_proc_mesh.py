@@ -13,7 +13,7 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import Cause, CauseKind, MeshStoppedError
 from ..runtime import (
@@ -37,6 +37,9 @@ from ._host_agent import EventPort, agent_mesh
 from ._logs import sink
 from ._shape import Extent, MeshTrait, Shape
 from ._tensor_methods import TensorMethods
+
+if TYPE_CHECKING:
+    from ..runtime import ProcRuntime
 
 __all__ = ["ProcMesh", "this_proc", "proc_mesh_for", "release_hosts"]
 
@@ -299,7 +302,7 @@ def release_hosts(hosts: HostMesh, reason: str = "its hosts were released") -> N
 _event_ports: dict[int, EventPort] = {}
 
 
-def _event_port(rt: Any) -> Any:
+def _event_port(rt: ProcRuntime) -> Any:
     handler = _event_ports.get(id(rt))
     if handler is None:
         handler = _event_ports[id(rt)] = EventPort(rt)
@@ -314,7 +317,7 @@ def this_proc() -> ProcMesh:
     return proc_mesh_for(current_runtime())
 
 
-def proc_mesh_for(rt: Any) -> ProcMesh:
+def proc_mesh_for(rt: ProcRuntime) -> ProcMesh:
     """The one-proc mesh of a runtime (cached)."""
     pm = _this_procs.get(id(rt))
     if pm is None:

@@ -7,12 +7,15 @@ SINGLETON message and get the mesh back, so every caller shares one actor.
 from __future__ import annotations
 
 import threading
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..runtime import Future, check_actor_class, current_runtime, messages as M
 from ..transport import dumps
 from ._actor_mesh import RESERVED_NAMES, ActorMesh
 from ._proc_mesh import this_proc
+
+if TYPE_CHECKING:
+    from ..runtime import ProcRuntime
 
 __all__ = ["get_or_spawn_controller", "install_singleton_handler"]
 
@@ -53,7 +56,7 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
     return port.futures[0]
 
 
-def install_singleton_handler(rt: Any) -> None:
+def install_singleton_handler(rt: ProcRuntime) -> None:
     """Serve get_or_spawn_controller requests from workers (root only)."""
 
     def on_singleton(env: Any, payload: Any) -> None:

@@ -13,7 +13,10 @@ import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 __all__ = [
     "Actor",
@@ -243,7 +246,7 @@ class MeshFailure:
 class Instance:
     """The running actor (or the client) as seen by its own code: ``context().actor_instance``."""
 
-    def __init__(self, *, runtime: Any, name: str, display: str, rank: Any, class_name: str, cell: Any = None, creator: Any = None) -> None:
+    def __init__(self, *, runtime: ProcRuntime, name: str, display: str, rank: Any, class_name: str, cell: Any = None, creator: Any = None) -> None:
         self._runtime = runtime
         self.name = name
         self._display = display

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..transport import Segment, dumps
 from . import _messages as M
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 __all__ = ["split", "handle_cast", "RelayPort", "tree_stats"]
 
@@ -65,7 +68,7 @@ def tree_stats(n: int, fanout: int) -> dict[str, Any]:
 class RelayPort:
     """Collects the replies of one node's subtree and sends them up as one message."""
 
-    def __init__(self, runtime: Any, parent: tuple[str, int], indices: Sequence[int], owed_by: dict[int, str]) -> None:
+    def __init__(self, runtime: ProcRuntime, parent: tuple[str, int], indices: Sequence[int], owed_by: dict[int, str]) -> None:
         self.runtime = runtime
         self.parent = parent
         self._missing = set(indices)
@@ -120,7 +123,7 @@ class RelayPort:
         rt.reply_many(self.parent, tuple(entries), segments)
 
 
-def handle_cast(rt: Any, env: M.Cast, payload: Sequence[Segment]) -> None:
+def handle_cast(rt: ProcRuntime, env: M.Cast, payload: Sequence[Segment]) -> None:
     """Deliver this node's members of a cast and forward the rest (loop thread)."""
     actor, reply, sender, members = env.actor, env.reply, env.sender, env.members
     here = rt.address

@@ -34,7 +34,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ActorError, Cause, CauseKind, PortableException
 from ..telemetry import FIGURES
@@ -46,6 +46,9 @@ from ._channel import Port
 from ._cell_async import _STOP, _SUPERVISE, AsyncCell, Stop, Supervise, _DropPort
 from ._cell_figures import CellFigures, now
 from ._loop import new_event_loop
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 log = logging.getLogger("actormesh.actor")
 
@@ -70,7 +73,7 @@ def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
 class Cell(AsyncCell, CellFigures):
     """One actor instance and the thread that runs it."""
 
-    def __init__(self, runtime: Any, env: M.Spawn, payload: Sequence[Segment]) -> None:
+    def __init__(self, runtime: ProcRuntime, env: M.Spawn, payload: Sequence[Segment]) -> None:
         name = env.actor
         self.runtime = runtime
         self.name = name
@@ -392,7 +395,7 @@ class Cell(AsyncCell, CellFigures):
             self.runtime.threads.start(self._stop_owned, "its owner failed", name=f"actor-{self.display}-stop-owned")
 
 
-def install(runtime: Any) -> None:
+def install(runtime: ProcRuntime) -> None:
     """Teach a runtime to create cells on SPAWN."""
 
     def on_spawn(env: M.Spawn, payload: Sequence[Segment]) -> None:

@@ -8,13 +8,16 @@ from that actor's process straight to the port's owner.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..errors import PortableException
 from ..transport import dumps
 from . import _messages as M
 from ._future import Future
 from ._ports import QueuePort
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 __all__ = ["Port", "PortReceiver", "Channel"]
 
@@ -32,7 +35,7 @@ class Port(Generic[R]):
 
     __slots__ = ("_address", "_port_id", "_rank", "_runtime", "return_undeliverable")
 
-    def __init__(self, address: str, port_id: int, rank: int | None = None, runtime: Any = None) -> None:
+    def __init__(self, address: str, port_id: int, rank: int | None = None, runtime: ProcRuntime | None = None) -> None:
         self._address = address
         self._port_id = port_id
         self._rank = rank

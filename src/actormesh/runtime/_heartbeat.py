@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _messages as M
 from ._liveness import LivenessJudge, Peer
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 log = logging.getLogger("actormesh.spawn")
 
@@ -32,7 +35,7 @@ class Heartbeat:
     ``kill(child)`` ends a child the judge declared dead.
     """
 
-    def __init__(self, runtime: Any, judge: LivenessJudge, kill: Callable[[Any], None]) -> None:
+    def __init__(self, runtime: ProcRuntime, judge: LivenessJudge, kill: Callable[[Any], None]) -> None:
         self._runtime = runtime
         self._judge = judge
         self._kill = kill

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Cause, CauseKind
 from ..transport import dumps
@@ -35,6 +35,9 @@ from ._launch import ProcCommand, default_command
 from ._messages import Hello
 from ._heartbeat import Heartbeat
 from ._liveness import LivenessJudge, Policy, describe_exit, proc_available, read_proc
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 log = logging.getLogger("actormesh.spawn")
 
@@ -91,7 +94,7 @@ def _listen_host(address: str, default: str) -> str:
     return target[0] if scheme == "tcp" else default
 
 
-def _install_hello(runtime: Any) -> None:
+def _install_hello(runtime: ProcRuntime) -> None:
     if runtime.heartbeat is not None:
         return
     runtime.heartbeat = Heartbeat(runtime, LivenessJudge(time.monotonic, read_proc if proc_available() else None), _kill)
@@ -116,7 +119,7 @@ def _install_hello(runtime: Any) -> None:
 
 
 def spawn_children(
-    runtime: Any,
+    runtime: ProcRuntime,
     names: Sequence[str],
     *,
     bootstrap: Callable[[], Any] | None = None,
@@ -178,7 +181,7 @@ def spawn_children(
 
 
 def _start_one(
-    runtime: Any,
+    runtime: ProcRuntime,
     child: ChildProc,
     command: ProcCommand,
     blob_fn: str | None,
@@ -228,7 +231,7 @@ def _start_one(
     runtime.loop.call_later(spawn_timeout_s, _check_started, runtime, child, spawn_timeout_s)
 
 
-def _check_started(runtime: Any, child: ChildProc, timeout: float) -> None:
+def _check_started(runtime: ProcRuntime, child: ChildProc, timeout: float) -> None:
     if not child.ready.done() and child.returncode is None:
         _kill(child)
         reason = Cause(f"proc {child.name} did not report ready within {timeout:.0f}s (proc_spawn_timeout); it was killed", CauseKind.HUNG)
@@ -236,7 +239,7 @@ def _check_started(runtime: Any, child: ChildProc, timeout: float) -> None:
         runtime.peer_gone(child.address, reason)
 
 
-def _watch(runtime: Any, child: ChildProc) -> None:
+def _watch(runtime: ProcRuntime, child: ChildProc) -> None:
     popen = child.popen
     assert popen is not None
     try:
@@ -253,7 +256,7 @@ def _watch(runtime: Any, child: ChildProc) -> None:
     runtime.loop.add_reader(fd, readable)
 
 
-def _exited(runtime: Any, child: ChildProc, _: Any) -> None:
+def _exited(runtime: ProcRuntime, child: ChildProc, _: Any) -> None:
     assert child.popen is not None
     code = child.popen.wait()
     child.returncode = code
@@ -274,7 +277,7 @@ def _kill(child: ChildProc) -> None:
             pass
 
 
-def stop_children(runtime: Any, children: Sequence[ChildProc], timeout_s: float) -> Future[None]:
+def stop_children(runtime: ProcRuntime, children: Sequence[ChildProc], timeout_s: float) -> Future[None]:
     """Ask workers to stop (their actors' ``__cleanup__`` run), kill those that
     have not exited after ``timeout_s``. The future completes when all exited."""
     remaining = [c for c in children if not c.exited.done()]
@@ -292,7 +295,7 @@ def stop_children(runtime: Any, children: Sequence[ChildProc], timeout_s: float)
     return done
 
 
-def kill_all_children(runtime: Any, grace_s: float = 1.0) -> None:
+def kill_all_children(runtime: ProcRuntime, grace_s: float = 1.0) -> None:
     """At exit: ask every child to stop, then SIGKILL what is left (blocking)."""
     children = list(runtime.children.values())
     if not children:

@@ -16,13 +16,16 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import get_config
 from ..telemetry import FIGURES, STATE, enable, process_usage
 from ..transport import dumps
 from . import _messages as M
 from ._ports import OnePort
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 __all__ = ["install", "stats_snapshot", "gather_stats", "telemetry_wanted", "serve_telemetry"]
 
@@ -37,7 +40,7 @@ def telemetry_wanted() -> bool:
     return bool(cfg.telemetry or cfg.dashboard_port)
 
 
-def install(rt: Any) -> None:
+def install(rt: ProcRuntime) -> None:
     """Answer STATS on ``rt``; turn telemetry on when the settings ask for it."""
     if telemetry_wanted():
         enable(service=f"actormesh-{rt.name}")
@@ -53,7 +56,7 @@ def install(rt: Any) -> None:
         _start_dashboard(rt, cfg.dashboard_port, cfg.dashboard_host)
 
 
-def serve_telemetry(rt: Any, dashboard: tuple[str, int] | None = None) -> str | None:
+def serve_telemetry(rt: ProcRuntime, dashboard: tuple[str, int] | None = None) -> str | None:
     """Turn telemetry on in this running process; with ``dashboard`` (host, port),
     serve the dashboard there too (once per process) and return its URL."""
     enable(service=f"actormesh-{rt.name}")
@@ -63,7 +66,7 @@ def serve_telemetry(rt: Any, dashboard: tuple[str, int] | None = None) -> str | 
     return _start_dashboard(rt, port, host)
 
 
-def _start_dashboard(rt: Any, port: int, host: str) -> str | None:
+def _start_dashboard(rt: ProcRuntime, port: int, host: str) -> str | None:
     """The controller serves the dashboard (``configure(dashboard_port=...)``); its URL.
 
     A lazy import by name: the dashboard sits above this layer and needs FastAPI.
@@ -83,7 +86,7 @@ def _current_actor() -> str | None:
     return None if ctx is None else ctx.actor_instance._display
 
 
-def stats_snapshot(rt: Any) -> dict[str, Any]:
+def stats_snapshot(rt: ProcRuntime) -> dict[str, Any]:
     """This process's telemetry as builtins (see the module docstring)."""
     cells = list(rt.actors.values())
     rss, cpu = process_usage()
@@ -106,7 +109,7 @@ def stats_snapshot(rt: Any) -> dict[str, Any]:
     }
 
 
-def gather_stats(rt: Any, addresses: Sequence[str], timeout_s: float) -> list[dict[str, Any] | None]:
+def gather_stats(rt: ProcRuntime, addresses: Sequence[str], timeout_s: float) -> list[dict[str, Any] | None]:
     """Snapshots of the processes at ``addresses`` (None for one that did not answer in time).
 
     Call from any thread but ``rt``'s loop thread. ``rt``'s own address is

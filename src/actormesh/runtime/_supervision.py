@@ -27,11 +27,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _messages as M
 from ._actor import MeshFailure
 from ._triage import Action, Decision, FailureTriage, MeshRecord, RestartPolicy
+
+if TYPE_CHECKING:
+    from ._proc import ProcRuntime
 
 log = logging.getLogger("actormesh.supervision")
 
@@ -90,7 +93,7 @@ class _StopWaiter:
     stopped are killed and the future completes: a stop never waits longer.
     """
 
-    def __init__(self, runtime: Any, record: MeshRecord, timeout_s: float) -> None:
+    def __init__(self, runtime: ProcRuntime, record: MeshRecord, timeout_s: float) -> None:
         from ._future import Future
 
         self.runtime = runtime
@@ -150,7 +153,7 @@ class _StopWaiter:
         self.future._set_result(None)
 
 
-def kill_proc(runtime: Any, address: str) -> None:
+def kill_proc(runtime: ProcRuntime, address: str) -> None:
     """End the proc at ``address`` on purpose (its loss reaches no supervision hook).
 
     A proc this process spawned is SIGKILLed; any other is told to stop (it
@@ -171,7 +174,7 @@ def kill_proc(runtime: Any, address: str) -> None:
     runtime.stop_proc(address)
 
 
-def stop_mesh(runtime: Any, record: MeshRecord, reason: str) -> Any:
+def stop_mesh(runtime: ProcRuntime, record: MeshRecord, reason: str) -> Any:
     """Stop every member of an owned actor mesh; the Future completes within
     ``cleanup_timeout`` + ``STOP_MARGIN_S`` (members still running then have
     their procs killed). Any thread."""
@@ -193,7 +196,7 @@ def stop_mesh(runtime: Any, record: MeshRecord, reason: str) -> Any:
     return waiter.future
 
 
-def stop_owned(runtime: Any, owner: str, reason: str) -> None:
+def stop_owned(runtime: ProcRuntime, owner: str, reason: str) -> None:
     """Stop every actor mesh and proc spawned by ``owner`` and wait (bounded).
 
     A mesh cannot outlive its owner: this runs before the owner's ``__cleanup__``.
@@ -217,7 +220,7 @@ def stop_owned(runtime: Any, owner: str, reason: str) -> None:
             pass
 
 
-def install(runtime: Any) -> None:
+def install(runtime: ProcRuntime) -> None:
     """Attach owner-side supervision to a runtime: a :class:`FailureTriage`
     decides (loop thread), this shell restarts members and delivers reports."""
     triage = FailureTriage(time.monotonic)
@@ -254,7 +257,7 @@ def install(runtime: Any) -> None:
     runtime.on_peer_lost.append(on_peer_lost)
 
 
-def _report(runtime: Any, record: MeshRecord, failure: MeshFailure) -> None:
+def _report(runtime: ProcRuntime, record: MeshRecord, failure: MeshFailure) -> None:
     """Deliver a failure to the mesh's owner (loop thread)."""
     if record.owner == CLIENT_NAME:
         # The hook is chosen now, before any caller's future fails for this cause;
