@@ -68,6 +68,8 @@ def test_host_mesh_over_agents(agents):
     hosts = HostMesh(agents=agents)
     assert hosts.initialized.get(timeout=20)
     assert dict(hosts.extent) == {"hosts": 2}
+    info = hosts.host_info().get(timeout=30)  # one row per agent, in host order
+    assert [row["address"] for row in info] == list(agents) and len({row["pid"] for row in info}) == 2
     procs = hosts.spawn_procs(per_host={"gpus": 2})
     try:
         assert dict(procs.extent) == {"hosts": 2, "gpus": 2}

@@ -103,7 +103,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         exception's class; the owner's supervision heard of it first.
         """
         if self._initialized is None:
-            return Future._completed(None)
+            return Future.completed(None)
         return self._initialized
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
@@ -118,7 +118,7 @@ class ActorMesh(MeshTrait, Generic[T]):
         if record is None:
             raise NotImplementedError("stop() is only available on the mesh its spawner holds, not on a reference")
         if record.stopped is not None:
-            return Future._completed(None)
+            return Future.completed(None)
         return stop_mesh(self._runtime(), record, reason)
 
     async def __aenter__(self) -> ActorMesh[T]:

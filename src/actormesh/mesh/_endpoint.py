@@ -108,7 +108,7 @@ class Endpoint(Generic[P, R]):
         payload = self._prepare(args, kwargs)
         problem = self._dead()
         if problem:
-            return Future._failed(problem)
+            return Future.failed(problem)
         shape = self._mesh._shape
         result_shape = Shape.row_major(shape.labels, shape.sizes)
         rt = self._mesh._runtime()
@@ -142,7 +142,7 @@ class Endpoint(Generic[P, R]):
         payload = self._prepare(args, kwargs)
         problem = self._mesh._status_error(self._what, [index])
         if problem:
-            return Future._failed(problem)
+            return Future.failed(problem)
         mesh = self._mesh
         g = mesh._shape.rank_at(index)
         addr = mesh._addresses[g]
@@ -158,7 +158,7 @@ class Endpoint(Generic[P, R]):
         payload = self._prepare(args, kwargs)
         problem = self._dead()
         if problem:
-            futures = [Future._failed(problem) for _ in range(len(self._mesh._shape))]
+            futures = [Future.failed(problem) for _ in range(len(self._mesh._shape))]
         else:
             targets = self._targets()
             port = StreamPort(self._mesh._runtime(), self._what, targets, self._describe)

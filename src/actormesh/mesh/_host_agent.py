@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 from ..runtime import (
     Actor,
     ChildProc,
+    Future,
     Port,
+    Promise,
     current_runtime,
     endpoint,
     spawn_children,
@@ -169,20 +171,22 @@ class HostAgent(Actor):
         self.owners.clear()
         timeout = rt.config.stop_timeout
         stop_children(rt, children, timeout).get(timeout=timeout + 5)
-        shutdown_requested(rt)._set_result(None)
+        _shutdown(rt).set_result(None)
 
 
-_shutdowns: dict[int, Any] = {}
+_shutdowns: dict[int, Promise[None]] = {}
 
 
-def shutdown_requested(runtime: ProcRuntime) -> Any:
+def _shutdown(runtime: ProcRuntime) -> Promise[None]:
+    promise = _shutdowns.get(id(runtime))
+    if promise is None:
+        promise = _shutdowns[id(runtime)] = Promise()
+    return promise
+
+
+def shutdown_requested(runtime: ProcRuntime) -> Future[None]:
     """A Future that completes when a controller shuts this agent's host down."""
-    from ..runtime import Future
-
-    fut = _shutdowns.get(id(runtime))
-    if fut is None:
-        fut = _shutdowns[id(runtime)] = Future._create()
-    return fut
+    return _shutdown(runtime).future
 
 
 class EventPort:

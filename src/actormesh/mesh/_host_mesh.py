@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..runtime import CLIENT_NAME, ChildProc, Future, context, current_runtime, gather, runtime_started, spawn_children, when_done
+from ..runtime import CLIENT_NAME, ChildProc, Future, Promise, context, current_runtime, gather, runtime_started, spawn_children, when_done
 from ..transport import dumps
 from ._bootstrap import BootstrapSpec, check_proc_bind, check_python, proc_commands
 from ._host_agent import agent_mesh
@@ -63,7 +63,7 @@ class HostMesh(MeshTrait):
     def initialized(self) -> Future[bool]:
         """Completes with True once every host agent answers (at once for the local host)."""
         if not self._agents:
-            return Future._completed(True)
+            return Future.completed(True)
         futs = [agent_mesh(self._agents[self._shape.rank_at(i)]).info.call_one() for i in range(len(self._shape))]
         rt = current_runtime()
         return gather(futs, timeout_s=60, call_later=rt.loop_thread.call_later, what="host agents answering").then(lambda _: True)
@@ -76,9 +76,8 @@ class HostMesh(MeshTrait):
         if not self._agents:
             return Future.completed([{"hostname": socket.gethostname(), "pid": os.getpid(), "cpus": os.cpu_count(), "address": "local"}])
         futs = [agent_mesh(self._agents[self._shape.rank_at(i)]).info.call_one() for i in range(len(self._shape))]
-        done: Future[list[dict[str, Any]]] = Future._create()
-        threading.Thread(target=lambda: done._set_thunk(lambda: [f.get(timeout=60) for f in futs]), daemon=True).start()
-        return done
+        # No thread waits: the last answer (or the deadline) completes it.
+        return gather(futs, timeout_s=60, call_later=current_runtime().loop_thread.call_later, what="host_info")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_reference, (self._shape, self._agents, self._python))
@@ -211,27 +210,27 @@ class HostMesh(MeshTrait):
         agents = list(self._agents or ())
         release_hosts(self, "its host mesh was shut down")  # deliberate: not a failure
         rt = current_runtime()
-        done: Future[None] = Future._create()
+        done: Promise[None] = Promise()
 
         def end_agents() -> None:
             # Runs where ``stopped`` completed (maybe the loop thread): it only sends.
             error = stopped.exception(timeout=0)
             if error is not None:
-                done._set_exception(error)
+                done.set_exception(error)
                 return
             calls = [agent_mesh(a).shutdown_host.call_one() for a in agents]
             # An agent exits right after answering: its loss is as good as its answer.
             answered = gather(calls, timeout_s=rt.config.stop_timeout + 15, call_later=rt.loop_thread.call_later, what="host agents shutting down")
-            when_done(answered, lambda: done._set_result(None))
+            when_done(answered, lambda: done.set_result(None))
 
         def guarded() -> None:
             try:
                 end_agents()
             except BaseException as exc:
-                done._set_exception(exc)
+                done.set_exception(exc)
 
         when_done(stopped, guarded)
-        return done
+        return done.future
 
     def sync_workspace(self, workspace: Any, conda: bool = False, auto_reload: bool = False, *, dest: str | None = None,
                        exclude: Sequence[str] = DEFAULT_EXCLUDE) -> Future[WorkspaceSync]:
@@ -255,16 +254,16 @@ class HostMesh(MeshTrait):
         resolve_dirs(workspace)  # argument errors at the call site, not in the Future
         agents = [self._agents[self._shape.rank_at(i)] for i in range(len(self._shape))] if self._agents else None
         reload = self._reload_procs if auto_reload else None
-        done: Future[WorkspaceSync] = Future._create()
+        done: Promise[WorkspaceSync] = Promise()
 
         def run_now() -> None:
             try:
-                done._set_result(sync_workspace(agents, workspace, dest=dest, exclude=tuple(exclude), reload=reload))
+                done.set_result(sync_workspace(agents, workspace, dest=dest, exclude=tuple(exclude), reload=reload))
             except BaseException as exc:
-                done._set_exception(exc)
+                done.set_exception(exc)
 
         threading.Thread(target=run_now, name="actormesh-sync-workspace", daemon=True).start()
-        return done
+        return done.future
 
     def _reload_procs(self, paths: dict[str, dict[str, str]], changed: dict[str, list[str]]) -> list[str]:
         """Reload changed modules in every running proc spawned through this mesh (each with its host's paths)."""

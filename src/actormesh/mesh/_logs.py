@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, TextIO
 
-from ..runtime import Future
+from ..runtime import Future, Promise
 
 __all__ = ["LogSink", "sink", "pump", "add_log_tap", "remove_log_tap"]
 
@@ -110,7 +110,7 @@ def pump(pipe: Any, deliver: Any, who: str, stream: str) -> Future[None]:
     The thread ends when the pipe does (its process exited); the returned future
     completes then, so its owner can wait for the last lines without a join.
     """
-    drained: Future[None] = Future._create()
+    drained: Promise[None] = Promise()
 
     def run() -> None:
         try:
@@ -123,7 +123,7 @@ def pump(pipe: Any, deliver: Any, who: str, stream: str) -> Future[None]:
                 pipe.close()
             except OSError:
                 pass
-            drained._set_result(None)
+            drained.set_result(None)
 
     threading.Thread(target=run, name=f"log-{who}-{stream}", daemon=True).start()
-    return drained
+    return drained.future

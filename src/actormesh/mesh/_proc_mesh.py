@@ -23,6 +23,7 @@ from ..runtime import (
     Future,
     GatherPort,
     MeshRecord,
+    Promise,
     check_actor_class,
     context,
     current_runtime,
@@ -163,7 +164,7 @@ class ProcMesh(MeshTrait, TensorMethods):
         """Completes with True once every proc is up (raises if one failed to start)."""
         state = self._state
         if state is None or not state.children:
-            return Future._completed(True)
+            return Future.completed(True)
         return gather([c.ready for c in state.children], what="initialized").then(lambda _: True)
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
@@ -186,13 +187,13 @@ class ProcMesh(MeshTrait, TensorMethods):
         rt = current_runtime()
         children = state.children
         stopped = stop_children(rt, children, rt.config.stop_timeout)
-        done: Future[None] = Future._create()
+        done: Promise[None] = Promise()
 
         def flush() -> None:
             try:
                 sink.flush()
             finally:
-                done._set_result(None)
+                done.set_result(None)
 
         def drain() -> None:
             # stop() flushes: the last lines of every proc are out before it completes.
@@ -200,7 +201,7 @@ class ProcMesh(MeshTrait, TensorMethods):
             when_done(gather(pumps, timeout_s=2.0, call_later=rt.loop_thread.call_later, what="reading the procs' last output"), flush)
 
         when_done(stopped, drain)
-        return done
+        return done.future
 
     def _stop_remote(self, state: _ProcMeshState, reason: str) -> Future[None]:
         rt = current_runtime()

@@ -47,7 +47,7 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
     """
     rt = current_runtime()
     if rt.root_address == rt.address:
-        return Future._completed(_root_get_or_spawn(name, Class, args, kwargs))
+        return Future.completed(_root_get_or_spawn(name, Class, args, kwargs))
     check_actor_class(Class, RESERVED_NAMES)
     from ..runtime import StreamPort
 

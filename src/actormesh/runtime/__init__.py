@@ -18,7 +18,7 @@ from ._actor import (
 from ._attached import attach_gateway
 from ._channel import Channel, Port, PortReceiver
 from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, set_runtime, shutdown_context
-from ._future import Future, gather, when_done
+from ._future import Future, Promise, gather, when_done
 from ._gateway import serve_gateway
 from ._ids import ChannelTransport, ProcId, Uid
 from ._returns_future import returns_future
@@ -55,6 +55,7 @@ __all__ = [
     "serve_gateway",
     "shutdown_context",
     "Future",
+    "Promise",
     "gather",
     "when_done",
     "ChannelTransport",

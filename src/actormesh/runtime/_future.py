@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Future", "gather", "when_done"]
+__all__ = ["Future", "Promise", "gather", "when_done"]
 
 R = TypeVar("R")
 
@@ -245,6 +245,31 @@ class Future(Generic[R]):
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _VALUE: "done", _THUNK: "done", _ERROR: "failed"}[self._state]
         return f"<Future {state}>"
+
+
+class Promise(Generic[R]):
+    """The writing end of a :class:`Future`, for layers above the runtime that finish
+    one themselves (a stop that waits on several parts, a pipe read to its end).
+
+    The first outcome wins; a later one is ignored (the setter returns False). Whoever
+    makes a promise keeps it on every path, errors included: its future has no
+    other way to end.
+    """
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: Future[R] = Future._create()
+
+    def set_result(self, value: R) -> bool:
+        return self.future._set_result(value)
+
+    def set_exception(self, exc: BaseException) -> bool:
+        return self.future._set_exception(exc)
+
+    def set_thunk(self, thunk: Callable[[], R]) -> bool:
+        """Complete with a function that yields the value (or raises) in the first waiter's thread."""
+        return self.future._set_thunk(thunk)
 
 
 #: ``call_later(delay_s, fn)``: run ``fn`` once after ``delay_s`` seconds, callable
