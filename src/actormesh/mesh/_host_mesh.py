@@ -142,7 +142,7 @@ class HostMesh(MeshTrait):
         with self._state.lock:
             live = [m for m in self._state.proc_meshes if _running(m)]
             self._state.proc_meshes = [*live, pm]
-        me._children = [*(m for m in me._children or () if _running(m)), pm]
+        me.spawned(pm, _running)
         return pm
 
     def _spawn_local(self, rt: ProcRuntime, shape: Shape, base: str, bootstrap: Callable[[], Any] | None, owner: str, commands: Any) -> ProcMesh:

@@ -123,7 +123,7 @@ class ProcMesh(MeshTrait, TensorMethods):
         n = len(shape)
         addresses = [self._addresses[shape.rank_at(i)] for i in range(n)]
         extent = Extent(shape.labels, shape.sizes)
-        prefix = f"{me._display}.<{Class.__module__}.{Class.__qualname__} {name}"
+        prefix = f"{me.display}.<{Class.__module__}.{Class.__qualname__} {name}"
         record = MeshRecord(mesh_name, owner_name, addresses, prefix)
         rt.owned_meshes[mesh_name] = record
         if self._state is not None:

@@ -260,6 +260,15 @@ class Instance:
         self._children: list[Any] | None = None
 
     @property
+    def display(self) -> str:
+        """How this actor is named in logs and errors (``<root>.<Class name>[rank]``)."""
+        return self._display
+
+    def spawned(self, proc_mesh: Any, running: Callable[[Any], bool]) -> None:
+        """Note a proc mesh this actor (or the client) spawned; forget the ones no longer ``running``."""
+        self._children = [*(m for m in self._children or () if running(m)), proc_mesh]
+
+    @property
     def is_actor(self) -> bool:
         """Whether this is an actor (not the client, nor a worker proc's own context)."""
         return self._cell is not None
