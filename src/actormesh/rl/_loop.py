@@ -198,6 +198,8 @@ class GRPOLoop:
         while True:
             groups = self.buffer.take.call_one(n_groups, self.version).get(timeout=self.timeout_s)
             if groups is not None:
+                if self._async is not None:
+                    self._async.took()
                 return groups
             if self._async is not None:
                 self._async.check()
@@ -328,8 +330,14 @@ class _AsyncGeneration:
 
     def __init__(self, loop: GRPOLoop) -> None:
         self.loop = loop
+        cfg = loop.config
+        # Held groups the trainer can still take before they are max_policy_lag versions old: whatever is
+        # drawn beyond that goes stale unread (with a lag of 1, two steps ahead wasted about a fifth).
+        self.ahead = cfg.prompts_per_step * max(1, cfg.max_policy_lag * cfg.sync_every)
         self._stop = threading.Event()
         self._more = threading.Condition()
+        self._taken = threading.Condition()
+        self._takes = 0  #: how many times the trainer took groups
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="grpo-generation", daemon=True)
         self._thread.start()
@@ -338,9 +346,11 @@ class _AsyncGeneration:
         step = 0
         try:
             while not self._stop.is_set():
+                seen = self._takes
                 held = self.loop.buffer.stats.call_one().get(timeout=self.loop.timeout_s)["held"]
-                if held >= 2 * self.loop.config.prompts_per_step:  # enough ahead: do not outrun the trainer
-                    self._stop.wait(0.05)
+                if held >= self.ahead:  # enough ahead: wait for the trainer's next take
+                    with self._taken:
+                        self._taken.wait_for(lambda: self._takes != seen or self._stop.is_set(), timeout=1.0)
                     continue
                 for group in self.loop._generate(step):
                     self.loop.buffer.add.call_one(group).get(timeout=self.loop.timeout_s)
@@ -361,6 +371,14 @@ class _AsyncGeneration:
         with self._more:
             self._more.wait(timeout_s)
 
+    def took(self) -> None:
+        """The trainer took groups: room for more."""
+        with self._taken:
+            self._takes += 1
+            self._taken.notify_all()
+
     def close(self) -> None:
         self._stop.set()
+        with self._taken:
+            self._taken.notify_all()
         self._thread.join(self.loop.timeout_s)
