@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 log = logging.getLogger("actormesh.ordering")
@@ -210,8 +210,9 @@ class Reorder:
     def _streams(self) -> dict[str, _Stream]:
         return self._buffer._streams
 
-    def push(self, sender: str, seq: int, env: Any, payload: Any) -> None:
-        """Accept message number ``seq`` from ``sender``; release what is in order."""
+    def push(self, sender: Hashable, seq: int, env: Any, payload: Any) -> None:
+        """Accept message number ``seq`` from ``sender`` (a stream: the runtime's are
+        ``(sender address, actor name)``); release what is in order."""
         buf = self._buffer
         if buf.take_next(sender, seq):
             self._release(env, payload)

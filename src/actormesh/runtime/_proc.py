@@ -18,18 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config, get_config
 from ..errors import Cause, CauseKind
-from ..transport import Connection, JobTLS, Listener, LostPayload, Segment, ShmPool, dumps, listen, new_secret
-from . import _messages as M
+from ..transport import Connection, JobTLS, Listener, Segment, ShmPool, listen, new_secret
 from ._gateway import refuse_relay
 from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
-from ._lost import Lost, error_payload, payload_lost, reply_port
 from ._ordering import Reorder, SeqOut
 from ._links import LinkWatch
-from ._peers import connection_closed, dial, hello, peer_gone, revive, table_sizes
+from ._peers import connection_closed, dial, peer_gone, revive, table_sizes
 from ._routes import LocalRoute, Route
 from ._threads import ThreadGroup
-from ._verbs import Verbs
+from ._receive import Receiving
 
 if TYPE_CHECKING:
     from ._heartbeat import Heartbeat
@@ -41,13 +39,12 @@ log = logging.getLogger("actormesh.runtime")
 __all__ = ["ProcRuntime"]
 
 Envelope = Any  # a Message of any kind: code here branches on its .kind, which a type checker cannot narrow
-_SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
-_decode = M.decode
 
 
-class ProcRuntime(Verbs):
+class ProcRuntime(Receiving):
     """Everything one OS process needs to take part in a job. Its verbs (``call_actor``,
-    ``cast``, ``spawn_actor``, ``stop_actor``, ``reply`` ...: _verbs.py) are the messages it sends.
+    ``cast``, ``spawn_actor``, ``stop_actor``, ``reply`` ...: _verbs.py) are the messages it sends;
+    what it does with the messages it receives is in _receive.py.
 
     ``address`` is where peers reach this process. ``root_address`` is the
     controller's (for process-wide singletons); ``parent_address`` the process
@@ -269,120 +266,6 @@ class ProcRuntime(Verbs):
         s = self._waiting_on.get(address)
         if s is not None:
             s.discard(handler)
-
-    def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
-        """A message could not reach ``address``: fail the reply it asked for."""
-        port, index = reply_port(M.typed(env))
-        if port is not None and port[0] != address:
-            self.reply(port, index, M.SUPERVISION, dumps(reason))
-
-    def _fail_reply(self, env: Envelope, status: int, payload: Sequence[Segment]) -> None:
-        """Answer the reply port an envelope names (if any) with ``status``."""
-        port, index = reply_port(env)
-        if port is not None:
-            self.reply(port, index, status, payload)
-
-    # -- receiving --------------------------------------------------------------------------
-    def _on_frame(self, conn: Connection, segments: list[Segment]) -> None:
-        try:
-            env = _decode(segments[0])
-        except Exception as exc:
-            log.warning("closing connection from %s: bad envelope (%s)", conn.peer_name, exc)
-            conn.abort()  # a protocol error: nothing more is read from this peer
-            return
-        if conn.tag is None:
-            if env.kind != M.HELLO:
-                log.warning("closing connection from %s: first frame was not HELLO", conn.peer_name)
-                conn.abort()
-                return
-            conn.tag = env.address
-            if env.extra is not None and env.extra != M.RESTART:  # asks to be relayed: a gateway takes the connection over
-                return self.relay(conn, env)
-            if self.on_hello is not None and self.on_hello(conn, env):
-                return
-            hello(self, conn, env)
-            return
-        if len(segments) == 2 and type(segments[1]) is LostPayload:
-            payload_lost(self, env, segments[1].error)
-            return
-        self._dispatch(env, segments[1:], conn)
-
-    def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
-        kind = env.kind
-        if kind == M.REPLY:  # the commonest kind first
-            handler = self.ports.get(env.port)
-            if handler is not None:
-                handler.deliver(env, payload)
-        elif kind in _SEQUENCED:
-            self._reorder.push((env.sender, env.actor), env.seq, env, payload)
-        elif kind == M.SPAWN:
-            if self.on_spawn is not None:
-                self.on_spawn(env, payload)
-            for early_env, early_payload in self._early.pop(env.actor, ()):
-                self._release(early_env, early_payload)  # already in order: skip the reorder buffer
-        elif kind == M.CAST:
-            self._cast(env, payload)
-        elif kind == M.REPLY_MULTI:
-            handler = self.ports.get(env.port)
-            if handler is not None:
-                handler.deliver_many(env, payload)
-        elif kind == M.STOP_PROC:
-            if self.on_stop_proc is not None:
-                self.on_stop_proc(env)
-        elif kind == M.FAILURE:
-            if self.on_failure is not None:
-                self.on_failure(env)
-        elif kind == M.SINGLETON:
-            if self.on_singleton is not None:
-                self.on_singleton(env, payload)
-        elif kind == M.PING:
-            if conn is not None:
-                conn.send([M.PONG_BYTES])
-        elif kind == M.JOIN:
-            for hook in list(self.on_join):
-                hook(env.address, env.hostname, env.pid)
-        elif kind == M.STATS:
-            if self.on_stats is not None:
-                self.on_stats(env)
-        elif kind in (M.HELLO, M.PONG):
-            pass
-        else:
-            log.warning("dropping message of unknown kind %r", kind)
-
-    def _release(self, env: Envelope, payload: Sequence[Segment]) -> None:
-        """A sequenced message whose turn has come (loop thread)."""
-        if payload and type(payload[0]) is Lost:
-            self._fail_reply(env, M.ERROR, error_payload(payload[0].error))
-            return
-        cell = self.actors.get(env.actor)
-        if env.kind == M.CALL:
-            if cell is not None:
-                cell.post(env, payload)
-            else:
-                self._hold_early(env, payload)
-        elif cell is not None:  # STOP_ACTOR
-            cell.stop(env.reply, env.slot)
-        else:
-            self.reply(env.reply, env.slot, M.OK, dumps(None))
-
-    def _cast(self, env: Envelope, payload: Sequence[Segment]) -> None:
-        from ._cast import handle_cast
-
-        handle_cast(self, env, payload)
-
-    def _hold_early(self, env: Envelope, payload: Sequence[Segment]) -> None:
-        """A call for an actor whose spawn message has not arrived yet (it came by
-        another connection). Hold it until the spawn arrives or a deadline passes."""
-        name = env.actor
-        held = self._early.setdefault(name, [])
-        held.append((env, payload))
-        if len(held) == 1:
-
-            def expire() -> None:
-                for e, _ in self._early.pop(name, ()):
-                    self.undeliverable(e, "", f"no actor named {name!r} on {self.address}")
-
-            self.loop.call_later(self.config.message_delivery_timeout, expire)
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:
