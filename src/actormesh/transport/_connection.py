@@ -90,6 +90,7 @@ class Connection(asyncio.BufferedProtocol):
         on_close: CloseHandler,
         loop: asyncio.AbstractEventLoop,
         shm: ShmPool | None = None,
+        tune: Callable[[socket.socket], None] | None = None,
     ) -> None:
         self._handshake: Handshake | None = Handshake(secret, dialer=dialer)
         self._hs_buf = bytearray(HANDSHAKE_BYTES)
@@ -120,6 +121,7 @@ class Connection(asyncio.BufferedProtocol):
         #: Free for the layer above (e.g. the peer's proc address).
         self.tag: Any = None
         self._shm_pool = shm
+        self._tune = tune  # socket options for TCP, applied as soon as there is a socket
         #: Where large outgoing segments go instead of the socket (same-host peers only).
         self.shm: ShmPool | None = None
         self._peer_pid = 0
@@ -135,6 +137,11 @@ class Connection(asyncio.BufferedProtocol):
         # Resume is our signal that big buffers handed to the kernel are free.
         transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
+        if sock is not None and self._tune is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                self._tune(sock)
+            except OSError:
+                pass  # a peer that already closed: the handshake wait reports it
         if sock is not None and transport.get_extra_info("sslcontext") is None and transport.get_extra_info("ssl_object") is None:
             self._fd = sock.fileno()
         if sock is not None and sock.family == socket.AF_UNIX:

@@ -9,10 +9,12 @@ shared-memory pool).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import socket
 import ssl
+import struct
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +23,7 @@ from ..errors import AuthenticationError, TransportError
 from ._connection import CloseHandler, Connection, FrameHandler, parse_address
 from ._shm import ShmPool
 
-__all__ = ["Listener", "connect", "listen", "tune_tcp"]
+__all__ = ["Listener", "connect", "listen", "receive_window_bytes", "tune_tcp"]
 
 
 class Listener:
@@ -112,7 +114,8 @@ async def listen(
     """
     loop = asyncio.get_running_loop()
     scheme, target = parse_address(address)
-    opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm)
+    opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm,
+                tune=functools.partial(tune_tcp, dead_after_s=dead_after_s))
     inner = _factory(secret, False, loop, opts)
 
     gate = _HandshakeGate(max_unauthenticated)
@@ -121,8 +124,6 @@ async def listen(
         conn = inner()
         conn.ready.add_done_callback(lambda f: None if f.exception() else on_connection(conn))
         loop.call_soon(gate.admit, conn)  # once connection_made has given it a transport
-        if scheme == "tcp":
-            loop.call_soon(_tune, conn, dead_after_s)
         return conn
 
     if scheme == "unix":
@@ -139,19 +140,72 @@ async def listen(
     return Listener(server, f"tcp:{shown}:{bound_port}", None, gate)
 
 
+#: The link rate a receive window is sized for (100 Gb/s): the window never holds a link back below it.
+LINK_BYTES_PER_S = 12.5e9
+#: The smallest receive buffer set (a window under load must not stall a fast hop).
+MIN_RCVBUF_BYTES = 256 * 1024
+#: Windows this large or more are left to the kernel's autotuning.
+AUTOTUNE_RCVBUF_BYTES = 4 << 20
+_TCP_INFO = getattr(socket, "TCP_INFO", 11 if sys.platform == "linux" else None)
+_TCPI_RTT = struct.Struct("<I")  # tcpi_rtt, microseconds, at byte 68 of Linux's struct tcp_info
+_TCPI_RTT_OFFSET = 68
+
+
+def receive_window_bytes(rtt_s: float | None) -> int | None:
+    """The receive buffer for a link with round trip ``rtt_s``, or None to leave it to the kernel.
+
+    The bytes a ``LINK_BYTES_PER_S`` link carries in one round trip (what TCP
+    needs in flight to fill it); at least ``MIN_RCVBUF_BYTES``. A
+    hop within a rack (tens of microseconds) gets a few hundred KiB instead of
+    the megabytes autotuning reaches; a long link (at or over
+    ``AUTOTUNE_RCVBUF_BYTES``) or an unknown round trip keeps the kernel's.
+
+    >>> receive_window_bytes(10e-6) == MIN_RCVBUF_BYTES, receive_window_bytes(40e-6), receive_window_bytes(1e-3)
+    (True, 500000, None)
+    """
+    if not rtt_s or rtt_s <= 0:
+        return None
+    window = int(rtt_s * LINK_BYTES_PER_S)
+    if window >= AUTOTUNE_RCVBUF_BYTES:
+        return None
+    return max(MIN_RCVBUF_BYTES, window)
+
+
+def _rtt_s(sock: Any) -> float | None:
+    """The kernel's round-trip estimate for a connected TCP socket (from its handshake), if it has one."""
+    if _TCP_INFO is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 104)
+    except OSError:
+        return None
+    if len(info) < _TCPI_RTT_OFFSET + 4:
+        return None
+    rtt_us = _TCPI_RTT.unpack_from(info, _TCPI_RTT_OFFSET)[0]
+    return rtt_us / 1e6 if rtt_us else None
+
+
 #: Unsent bytes the kernel holds per TCP socket before it stops taking more (Linux).
 NOTSENT_LOWAT_BYTES = 128 * 1024
 _NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform == "linux" else None)
 
 
 def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
-    """No Nagle delay; at most ``NOTSENT_LOWAT_BYTES`` unsent in the kernel; with
+    """No Nagle delay; at most ``NOTSENT_LOWAT_BYTES`` unsent in the kernel; a
+    receive buffer sized for the link (see :func:`receive_window_bytes`); with
     ``dead_after_s``, the kernel gives up on a dead link by then.
+
+    Runs on every TCP connection as soon as it has a socket (dialed and accepted).
 
     Why the unsent limit: the kernel's send buffer grows to megabytes, and a small
     frame written behind a large one waits until all of it is on the wire (a few
     ms at link speed). Large frames are written a batch at a time (see
     _outgoing.py), so with the limit a small frame waits for about a batch.
+    Why the receive buffer: what the sender has sent and the receiving process
+    has not yet read is bounded by the receiver's window, and a small frame
+    waits behind all of it. The kernel's autotuning grows that to tens of
+    megabytes when the reading process is slower than the link (a busy host),
+    which is tens of milliseconds ahead of every small message.
 
     Keepalive probes an idle link and ``TCP_USER_TIMEOUT`` bounds how long sent
     data may stay unacknowledged, so a peer behind a network partition is never
@@ -164,6 +218,9 @@ def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
         except OSError:
             pass  # an older kernel: small frames may wait behind more of a large one
+    window = receive_window_bytes(_rtt_s(sock))
+    if window:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
     if not dead_after_s:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -174,18 +231,6 @@ def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
         option = getattr(socket, name, None)
         if option is not None:  # Linux has all four; others keep what they support
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
-def _tune(conn: Connection, dead_after_s: float | None) -> None:
-    # A peer may already have closed the socket (e.g. a TLS listener meeting a
-    # plaintext client): its transport then yields no usable socket; the
-    # handshake wait reports the closed connection.
-    try:
-        sock = conn._transport.get_extra_info("socket") if conn._transport else None
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            tune_tcp(sock, dead_after_s)
-    except (OSError, ValueError):
-        pass
 
 
 async def connect(
@@ -216,7 +261,7 @@ async def connect(
         True,
         loop,
         dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=max(handshake_timeout_s, timeout_s), on_frame=on_frame,
-             on_close=on_close, shm=shm),
+             on_close=on_close, shm=shm, tune=functools.partial(tune_tcp, dead_after_s=dead_after_s)),
     )
     deadline = loop.time() + timeout_s
     delay = 0.005
@@ -235,8 +280,6 @@ async def connect(
                     ssl_handshake_timeout=handshake_timeout_s if ssl_context else None,
                 )
             _, conn = await asyncio.wait_for(coro, remaining)
-            if scheme == "tcp":
-                _tune(conn, dead_after_s)
             try:
                 await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
             except asyncio.TimeoutError:
