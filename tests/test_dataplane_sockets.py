@@ -22,7 +22,7 @@ linux_only = pytest.mark.skipif(sys.platform != "linux", reason="TCP_NOTSENT_LOW
 def test_the_receive_window_is_one_round_trip_at_link_rate_with_a_floor_and_a_ceiling() -> None:
     assert receive_window_bytes(None) is None  # no estimate: the kernel's autotuning stays
     assert receive_window_bytes(0.0) is None
-    assert receive_window_bytes(1e-6) == MIN_RCVBUF_BYTES  # loopback, veth: the floor
+    assert receive_window_bytes(1e-6) == MIN_RCVBUF_BYTES  # loopback, veth under no load: the floor
     rtt = 3 * MIN_RCVBUF_BYTES / LINK_BYTES_PER_S
     assert receive_window_bytes(rtt) == int(rtt * LINK_BYTES_PER_S)
     assert receive_window_bytes(1.01 * AUTOTUNE_RCVBUF_BYTES / LINK_BYTES_PER_S) is None  # a long link: autotuning
@@ -56,11 +56,11 @@ def _sockopts(conn: Any) -> tuple[int, int]:
 def test_dialed_and_accepted_tcp_connections_both_bound_unsent_bytes_and_the_receive_window(
         monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
-        listener, dialed, accepted = await _pair(monkeypatch, 20e-6)
+        listener, dialed, accepted = await _pair(monkeypatch, 5e-6)
         try:
-            # Linux reports twice what was set (its bookkeeping overhead).
-            assert _sockopts(dialed) == (NOTSENT_LOWAT_BYTES, 2 * MIN_RCVBUF_BYTES)
-            assert _sockopts(accepted[0]) == (NOTSENT_LOWAT_BYTES, 2 * MIN_RCVBUF_BYTES)
+            # A quarter of the window may wait unsent; Linux reports twice the buffer set (its bookkeeping).
+            assert _sockopts(dialed) == (MIN_RCVBUF_BYTES // 4, 2 * MIN_RCVBUF_BYTES)
+            assert _sockopts(accepted[0]) == (MIN_RCVBUF_BYTES // 4, 2 * MIN_RCVBUF_BYTES)
         finally:
             dialed.abort()
             accepted[0].abort()

@@ -143,7 +143,7 @@ async def listen(
 #: The link rate a receive window is sized for (100 Gb/s): the window never holds a link back below it.
 LINK_BYTES_PER_S = 12.5e9
 #: The smallest receive buffer set (a window under load must not stall a fast hop).
-MIN_RCVBUF_BYTES = 256 * 1024
+MIN_RCVBUF_BYTES = 128 * 1024
 #: Windows this large or more are left to the kernel's autotuning.
 AUTOTUNE_RCVBUF_BYTES = 4 << 20
 _TCP_INFO = getattr(socket, "TCP_INFO", 11 if sys.platform == "linux" else None)
@@ -160,7 +160,7 @@ def receive_window_bytes(rtt_s: float | None) -> int | None:
     the megabytes autotuning reaches; a long link (at or over
     ``AUTOTUNE_RCVBUF_BYTES``) or an unknown round trip keeps the kernel's.
 
-    >>> receive_window_bytes(10e-6) == MIN_RCVBUF_BYTES, receive_window_bytes(40e-6), receive_window_bytes(1e-3)
+    >>> receive_window_bytes(5e-6) == MIN_RCVBUF_BYTES, receive_window_bytes(40e-6), receive_window_bytes(1e-3)
     (True, 500000, None)
     """
     if not rtt_s or rtt_s <= 0:
@@ -185,7 +185,8 @@ def _rtt_s(sock: Any) -> float | None:
     return rtt_us / 1e6 if rtt_us else None
 
 
-#: Unsent bytes the kernel holds per TCP socket before it stops taking more (Linux).
+#: Unsent bytes the kernel holds per TCP socket before it stops taking more (Linux),
+#: on a link whose receive buffer is left to autotuning; with a window set, a quarter of it.
 NOTSENT_LOWAT_BYTES = 128 * 1024
 _NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25 if sys.platform == "linux" else None)
 
@@ -201,6 +202,9 @@ def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
     frame written behind a large one waits until all of it is on the wire (a few
     ms at link speed). Large frames are written a batch at a time (see
     _outgoing.py), so with the limit a small frame waits for about a batch.
+    A short link gets a quarter of its window: the event loop refills the
+    kernel long before that much has gone out at its rate, and a small frame
+    waits for less of a large one.
     Why the receive buffer: what the sender has sent and the receiving process
     has not yet read is bounded by the receiver's window, and a small frame
     waits behind all of it. The kernel's autotuning grows that to tens of
@@ -213,14 +217,14 @@ def tune_tcp(sock: Any, dead_after_s: float | None) -> None:
     watch (heartbeats) decides first; this is the backstop.
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if _NOTSENT_LOWAT is not None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
-        except OSError:
-            pass  # an older kernel: small frames may wait behind more of a large one
     window = receive_window_bytes(_rtt_s(sock))
     if window:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
+    if _NOTSENT_LOWAT is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, _NOTSENT_LOWAT, window // 4 if window else NOTSENT_LOWAT_BYTES)
+        except OSError:
+            pass  # an older kernel: small frames may wait behind more of a large one
     if not dead_after_s:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
