@@ -41,6 +41,7 @@ from ._tensor_methods import TensorMethods
 
 if TYPE_CHECKING:
     from ..runtime import ProcRuntime
+    from ._host_mesh import HostMesh
 
 __all__ = ["ProcMesh", "this_proc", "proc_mesh_for", "release_hosts"]
 
