@@ -107,16 +107,18 @@ class ProcRuntime(Receiving):
         #: start with the first spawn (_spawn.py).
         self.children: dict[str, ChildProc] = {}
         self.heartbeat: Heartbeat | None = None
-        #: Hooks installed by the cell/spawn modules (keeps this module free of them).
-        self.on_spawn: Callable[[Envelope, Sequence[Segment]], None] | None = None
-        self.on_failure: Callable[[Envelope], None] | None = None
-        self.on_stop_proc: Callable[[Envelope], None] | None = None
-        self.on_singleton: Callable[[Envelope, Sequence[Segment]], None] | None = None
-        self.on_stats: Callable[[Envelope], None] | None = None
+        # The handlers of the kinds that are neither calls nor replies, typed in
+        # _receive.py; each is set by the part that owns its kind (cells, supervision,
+        # spawning, stats, a gateway; the mesh layer's singletons and host agents).
+        self.on_spawn = None
+        self.on_failure = None
+        self.on_stop_proc = None
+        self.on_singleton = None
+        self.on_stats = None
         self.on_peer_lost: list[Callable[[str, str], None]] = []
-        self.on_join: list[Callable[[str, str, int], None]] = []
-        self.on_hello: Callable[[Connection, Envelope], bool] | None = None
-        self.relay: Callable[[Connection, Envelope], None] = refuse_relay  #: a gateway's (runtime/_gateway.py)
+        self.on_join = []
+        self.on_hello = None
+        self.relay = refuse_relay
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None
         self._listen_address = listen_address

@@ -47,14 +47,14 @@ class Receiving(Verbs):
     _early: dict[str, list[tuple[Envelope, Sequence[Segment]]]]
     # What the runtime's parts do with the kinds that are neither calls nor replies
     # (loop thread; each set once, by the part that owns the kind).
-    on_spawn: Callable[[Envelope, Sequence[Segment]], None] | None
-    on_failure: Callable[[Envelope], None] | None
-    on_stop_proc: Callable[[Envelope], None] | None
-    on_singleton: Callable[[Envelope, Sequence[Segment]], None] | None
-    on_stats: Callable[[Envelope], None] | None
-    on_join: list[Callable[[str, str, int], None]]
-    on_hello: Callable[[Connection, Envelope], bool] | None
-    relay: Callable[[Connection, Envelope], None]
+    on_spawn: Callable[[M.Spawn, Sequence[Segment]], None] | None
+    on_failure: Callable[[M.Failure], None] | None
+    on_stop_proc: Callable[[M.StopProc], None] | None
+    on_singleton: Callable[[M.Singleton, Sequence[Segment]], None] | None
+    on_stats: Callable[[M.Stats], None] | None
+    on_join: list[Callable[[str, str, int], None]]  # (address, hostname, pid) of a Join
+    on_hello: Callable[[Connection, M.Hello], bool] | None  # True: it took the connection
+    relay: Callable[[Connection, M.Hello], None]
 
     def _whole(self) -> ProcRuntime:
         """This object as the ProcRuntime it is part of (for helpers that take one)."""
