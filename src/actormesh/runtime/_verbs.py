@@ -1,5 +1,8 @@
-"""The runtime's verbs: one method per message kind a process sends. The only place
-envelopes are built (see _messages.py for their fields); the mesh layer calls these.
+"""The runtime's verbs: one method per message kind a process originates (see
+_messages.py for their fields); the mesh layer calls these and builds no envelope.
+Elsewhere only the handshake (``Hello``, _peers.py and _gateway.py), a tree node
+re-addressing a ``Cast`` (_cast.py) and the stand-ins for a message whose payload
+was lost (_lost.py) build messages.
 
 Ordering lives here too: a message to an actor (``Call``, ``StopActor``, each member
 of a ``Cast``) is numbered per destination actor as it leaves, so the destination
@@ -14,12 +17,12 @@ from typing import Any
 
 from ..transport import Segment
 from . import _messages as M
+from ._cast import split
 from ._messages import ActorRef, PortRef
 from ._ordering import SeqOut
 from ._routes import LocalRoute, Route, order_key
 
 __all__ = ["Verbs"]
-
 
 
 class Verbs:
@@ -58,8 +61,6 @@ class Verbs:
         """Call ``endpoint`` of ``actor`` on every member, member ``i`` at ``addresses[i]``,
         along a tree of at most ``fanout`` children per node (see _cast.py). Returns,
         per member, the address of the subtree root that owes its reply."""
-        from ._cast import split
-
         owed = [""] * len(addresses)
         nxt = self.seq_out.next
         for chunk in split(range(len(addresses)), fanout):
@@ -67,7 +68,9 @@ class Verbs:
             r = self._routes.get(root)
             if r is None:
                 r = self.route(root)
-            live = r.dead is None  # numbered as they leave: the same sequence as direct calls
+            # Numbered as they leave: the same sequence as direct calls. A dead root gets
+            # no numbers (0): the cast fails at once, its port waits on that root.
+            live = r.dead is None
             members = tuple((i, addresses[i], nxt(addresses[i], actor) if live else 0) for i in chunk)
             for i in chunk:
                 owed[i] = root
