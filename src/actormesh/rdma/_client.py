@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from ..runtime import current_runtime
@@ -88,6 +89,17 @@ class _Pool:
 
 
 _pool = _Pool()
+
+
+def _check(conn: _Conn, handle: BufferHandle, deadline: float) -> Any:
+    """Is the registration still there (the owner answers, or raises what happened to it)."""
+    _request(conn, W.CHECK, handle, 0, 0, deadline)
+    return _reply(conn, handle, deadline)
+
+
+def _drop(conn: _Conn, handle: BufferHandle, deadline: float) -> Any:
+    _request(conn, W.DROP, handle, 0, 0, deadline)
+    return _reply(conn, handle, deadline)
 
 
 def _request(conn: _Conn, op: int, handle: BufferHandle, offset: int, nbytes: int, deadline: float, flags: int = 0) -> None:
@@ -239,7 +251,7 @@ class ShmBackend:
         try:
             mapping = self._direct(handle, deadline)
             if mapping is not None:
-                _exchange(handle, "unix", deadline, lambda conn: (_request(conn, W.CHECK, handle, 0, 0, deadline), _reply(conn, handle, deadline)))
+                _exchange(handle, "unix", deadline, partial(_check, handle=handle, deadline=deadline))
                 if write:
                     memmove(mapping.address + offset, local, nbytes)
                 else:
@@ -292,7 +304,7 @@ def drop_remote(handle: BufferHandle, deadline: float) -> None:
     _shm_backend.forget(handle)
     for kind in ("unix", "tcp") if same_host(handle) else ("tcp",):
         try:
-            _exchange(handle, kind, deadline, lambda conn: (_request(conn, W.DROP, handle, 0, 0, deadline), _reply(conn, handle, deadline)))
+            _exchange(handle, kind, deadline, partial(_drop, handle=handle, deadline=deadline))
             return
         except Unusable:
             continue

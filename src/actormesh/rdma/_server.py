@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..config import get_config
 from ..errors import AuthenticationError
@@ -106,15 +107,15 @@ class BulkServer:
             deadlines = [p.deadline for p in self._pending.values()] + ([paused_until] if paused_until else [])
             events = sel.select(max(0.0, min(deadlines) - now) if deadlines else None)
             for key, _ in events:
-                sock = key.fileobj
-                if sock in listeners:
-                    if not self._accept(sel, sock, listeners[sock]):  # type: ignore[index,arg-type]
+                ready: Any = key.fileobj  # a listener or a pending connection's socket
+                if ready in listeners:
+                    if not self._accept(sel, ready, listeners[ready]):
                         for lsock in listeners:
                             sel.unregister(lsock)
                         paused_until = time.monotonic() + _ACCEPT_PAUSE_S
                         break
                 else:
-                    self._advance(sel, self._pending.get(sock))  # type: ignore[arg-type,call-overload]
+                    self._advance(sel, self._pending.get(ready))  # type: ignore[arg-type]
             now = time.monotonic()
             for pending in [p for p in self._pending.values() if p.deadline <= now]:
                 log.debug("rdma handshake timed out")
@@ -299,6 +300,7 @@ class _Session:
             memmove(stage.address, reg.region.address + offset, nbytes)
             self.reply(W.OK, W.FD if new else 0, stage.capacity, 0)
             if new:
+                assert stage.fd is not None  # a new staging area has its descriptor
                 W.send_fd(self.conn, stage.fd)
             return
         if self.write_stage is None or self.write_stage.capacity < nbytes:

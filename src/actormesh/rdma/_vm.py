@@ -77,8 +77,8 @@ def vm_copy_many(pid: int, pairs: list[tuple[int, int, int]], *, write: bool, ch
     i = 0
     while i < len(cut):
         batch = cut[i:i + IOV_MAX]
-        liov = (_IoVec * len(batch))(*((loc, n) for loc, _, n in batch))
-        riov = (_IoVec * len(batch))(*((rem, n) for _, rem, n in batch))
+        liov = (_IoVec * len(batch))(*(_IoVec(loc, n) for loc, _, n in batch))
+        riov = (_IoVec * len(batch))(*(_IoVec(rem, n) for _, rem, n in batch))
         got = fn(pid, liov, len(batch), riov, len(batch), 0)
         if got < 0:
             err = ctypes.get_errno()

@@ -76,7 +76,7 @@ FLAG_SHM = 1
 FLAG_CHUNKED = 2
 FLAG_CHUNK = 4
 _FRAME_FLAGS = (0, FLAG_SHM, FLAG_CHUNKED)
-_NO_KINDS = itertools.repeat(0)
+_NO_KINDS: Any = itertools.repeat(0)  # or a list of kinds, per frame
 
 
 class ShmFrame(list):  # type: ignore[type-arg]

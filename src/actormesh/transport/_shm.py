@@ -97,7 +97,7 @@ def _exhausted(exc: BaseException, what: str) -> ShmExhausted | None:
         import resource as _resource
 
         soft = _resource.getrlimit(_resource.RLIMIT_NOFILE)[0]
-        limit = f" (RLIMIT_NOFILE={soft})" if exc.errno == errno.EMFILE else " (the system-wide table is full)"  # type: ignore[union-attr]
+        limit = f" (RLIMIT_NOFILE={soft})" if getattr(exc, "errno", None) == errno.EMFILE else " (the system-wide table is full)"
         advice = "raise the limit (ulimit -n) or close descriptors in this process"
     else:
         limit, advice = "", "free memory in this process or send smaller arguments"
