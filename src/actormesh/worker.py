@@ -114,7 +114,7 @@ def main() -> None:
 
     rt.on_peer_lost.append(parent_lost)
     # Dial the parent: the connection's HELLO tells it we are ready.
-    parent_route = rt.route(rt.parent_address)
+    parent_route = rt.route(spec["parent"])  # a worker always has a parent, never itself
     parent_route.connecting = True  # type: ignore[union-attr]
     rt.start_dial(parent_route)  # type: ignore[arg-type]
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

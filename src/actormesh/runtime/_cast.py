@@ -116,7 +116,8 @@ class RelayPort:
         rt.unregister_port(self.port_id)
         for addr in set(self._owed_by.values()):
             rt.unawait_peer(addr, self)
-        entries, segments = [], []
+        entries: list[tuple[int, int, int]] = []
+        segments: list[Segment] = []
         for index, status, payload in self._entries:
             entries.append((index, status, len(payload)))
             segments.extend(payload)

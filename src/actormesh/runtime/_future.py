@@ -95,7 +95,10 @@ class Future(Generic[R]):
             with within():
                 return fn(f._outcome())
 
-        self._add_done_callback(lambda f: out._set_thunk(lambda: thunk(f)))
+        def settle(f: Future[R]) -> None:
+            out._set_thunk(lambda: thunk(f))
+
+        self._add_done_callback(settle)
         return out
 
     # -- completion (runtime side, any thread) -------------------------------------------

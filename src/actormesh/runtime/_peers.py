@@ -74,7 +74,7 @@ async def dial(rt: ProcRuntime, route: Route) -> None:
     route.publish(conn)
 
 
-def hello(rt: ProcRuntime, conn: Connection, env: tuple) -> None:
+def hello(rt: ProcRuntime, conn: Connection, env: M.Hello) -> None:
     """A peer identified itself on a connection it dialed (loop thread).
 
     With RESTART it had given us up as unreachable and begins anew (a healed

@@ -33,6 +33,7 @@ from ..transport import dumps
 from ._future import Future, gather
 from ._launch import ProcCommand, default_command
 from ._messages import Hello
+from ._routes import Route
 from ._heartbeat import Heartbeat
 from ._liveness import LivenessJudge, Policy, describe_exit, proc_available, read_proc
 
@@ -110,7 +111,7 @@ def _install_hello(runtime: ProcRuntime) -> None:
             runtime.peer_gone(child.address, Cause(f"the proc's bootstrap function failed: {env.error}", CauseKind.RAISED))
             child.ready._set_exception(RuntimeError(f"bootstrap of proc {child.name} failed:\n{env.error}"))
             return True
-        if route is not None:
+        if isinstance(route, Route):  # a child's address is never this process's own
             route.publish(conn)
         child.ready._set_result(True)
         return True
@@ -277,6 +278,11 @@ def _kill(child: ChildProc) -> None:
             pass
 
 
+def _kill_all(children: Sequence[ChildProc]) -> None:
+    for child in children:
+        _kill(child)
+
+
 def stop_children(runtime: ProcRuntime, children: Sequence[ChildProc], timeout_s: float) -> Future[None]:
     """Ask workers to stop (their actors' ``__cleanup__`` run), kill those that
     have not exited after ``timeout_s``. The future completes when all exited."""
@@ -289,7 +295,7 @@ def stop_children(runtime: ProcRuntime, children: Sequence[ChildProc], timeout_s
         for child in remaining:
             child.stopping = True
             runtime.stop_proc(child.address)
-        runtime.loop.call_later(timeout_s, lambda: [_kill(c) for c in remaining])
+        runtime.loop.call_later(timeout_s, _kill_all, remaining)
 
     runtime.loop.call_soon_threadsafe(begin)
     return done
