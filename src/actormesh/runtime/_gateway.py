@@ -41,6 +41,7 @@ from ..errors import ResourceExhaustedError, TransportError
 from ..transport import Connection, LostPayload, Segment, connect
 from . import _messages as M
 from ._lost import error_payload
+from ._routes import Route
 
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
@@ -124,11 +125,11 @@ class Gateway:
             self.sessions[uid] = session = _Session(self, uid, conn, env.pid)
             session.start()
             return
-        session = self.sessions.get(uid)
-        if session is None:  # that client detached: the proc learns it as a lost connection
+        attached = self.sessions.get(uid)
+        if attached is None:  # that client detached: the proc learns it as a lost connection
             _refuse(conn, f"no client {via_address(uid, self.runtime.address)} is attached to this gateway")
             return
-        session.leg_in(conn, env.address)
+        attached.leg_in(conn, env.address)
 
 
 class _Session:
@@ -153,7 +154,9 @@ class _Session:
         self.conn.tag = self.address
         self.conn.rebind(on_frame=self.from_client, on_close=self.client_closed)
         # The gateway's own messages to the client (replies, host-agent events) take the duplex.
-        self.rt.route(self.address).publish(self.conn)
+        route = self.rt.route(self.address)
+        if isinstance(route, Route):  # a client's via address is never the gateway's own
+            route.publish(self.conn)
         log.info("client %s (pid %s) attached from %s", self.address, self.client_pid, self.conn.peer_name)
 
     # -- client -> procs ------------------------------------------------------------------

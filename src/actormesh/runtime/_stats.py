@@ -125,14 +125,14 @@ def gather_stats(rt: ProcRuntime, addresses: Sequence[str], timeout_s: float) ->
         ports.append(port)
     deadline = time.monotonic() + timeout_s
     out: list[dict[str, Any] | None] = []
-    for addr, port in zip(addresses, ports):
-        if port is None:
+    for addr, asked in zip(addresses, ports):
+        if asked is None:
             out.append(stats_snapshot(rt))
             continue
         try:
-            out.append(port.future.get(timeout=max(0.0, deadline - time.monotonic())))
+            out.append(asked.future.get(timeout=max(0.0, deadline - time.monotonic())))
         except Exception:
             out.append(None)  # gone, or busy past the deadline: the caller shows it as silent
-            rt.unregister_port(port.port_id)  # a late answer is dropped; nothing waits on it
-            rt.unawait_peer(addr, port)
+            rt.unregister_port(asked.port_id)  # a late answer is dropped; nothing waits on it
+            rt.unawait_peer(addr, asked)
     return out
