@@ -79,7 +79,7 @@ def test_env_and_device_mesh_named_after_the_proc_mesh(spawn_procs: Any) -> None
 
 
 DDP_SCRIPT = """
-import os, sys
+import gc, os, sys
 import torch
 import torch.distributed as dist
 
@@ -92,7 +92,8 @@ print(f"rank {rank}/{dist.get_world_size()} local {os.environ['LOCAL_RANK']} gra
 if "fail" in sys.argv and rank == 1:
     raise ValueError("boom on rank 1")
 dist.barrier()                                    # rank 0 waits here for a rank that died
-del model                                         # DDP's reducer goes before its process group (else gloo may abort at exit)
+del model                                         # DDP's reducer goes before its process group (else gloo may abort at exit);
+gc.collect()                                      # its hooks hold it in reference cycles that del alone leaves
 dist.destroy_process_group()
 """
 
