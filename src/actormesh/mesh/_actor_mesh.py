@@ -45,7 +45,7 @@ class ActorMesh(MeshTrait, Generic[T]):
             raise AttributeError(name)
         attr = getattr(self._class, name, None)
         if isinstance(attr, EndpointProperty):
-            ep = Endpoint(self, attr)
+            ep: Endpoint[..., Any] = Endpoint(self, attr)
             self.__dict__[name] = ep  # next access skips __getattr__
             return ep
         if callable(attr):

@@ -229,7 +229,7 @@ def as_endpoint(method: Any, *, propagate: Any = None, explicit_response_port: b
     from ..runtime import EndpointProperty
 
     fn = getattr(method._mesh._class, method._name)
-    prop = EndpointProperty(fn, explicit_response_port=explicit_response_port, propagate=propagate)
+    prop: EndpointProperty[Any] = EndpointProperty(fn, explicit_response_port=explicit_response_port, propagate=propagate)
     prop.name = method._name
     return Endpoint(method._mesh, prop)
 

@@ -89,7 +89,7 @@ class WorkspaceStore:
             sid = uuid.uuid4().hex
             staging = os.path.join(self.root, ".staging", sid)
             os.makedirs(staging)
-            have = set()
+            have: set[str] = set()
             for name in manifests:
                 have.update(e[3] for e in self._current_manifest(name).values() if e[0] == "f")
             needed = {e[3] for m in manifests.values() for e in m.values() if e[0] == "f"} - have
