@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any, Callable
 
 from . import config
@@ -64,7 +66,9 @@ from .runtime import (
     current_actor_name,
     default_fault_hook,
     enable_transport,
+    fault_hook,
     returns_future,
+    set_fault_hook,
     shutdown_context,
 )
 from .telemetry import get_meter, span, traced
@@ -138,5 +142,26 @@ def current_size() -> dict[str, int]:
 
 
 #: Called (on a runtime thread) with a MeshFailure nobody handled. Replace it to
-#: decide yourself; the default prints the report and ends the program.
-unhandled_fault_hook: Callable[[MeshFailure], Any] = default_fault_hook
+#: decide yourself; the default prints the report and ends the program. Reading
+#: and assigning it goes to the runtime (see ``_Facade``), which calls it.
+unhandled_fault_hook: Callable[[MeshFailure], Any]
+
+
+class _Facade(types.ModuleType):
+    """This module's type: ``unhandled_fault_hook`` reads and sets the runtime's hook.
+
+    Why: Monarch programs assign ``monarch.actor.unhandled_fault_hook = fn``; a
+    plain module attribute could only be found by the runtime looking this
+    module up, a layer above it.
+    """
+
+    @property
+    def unhandled_fault_hook(self) -> Callable[[MeshFailure], Any]:
+        return fault_hook()
+
+    @unhandled_fault_hook.setter
+    def unhandled_fault_hook(self, hook: Callable[[MeshFailure], Any] | None) -> None:
+        set_fault_hook(None if hook is default_fault_hook else hook)
+
+
+sys.modules[__name__].__class__ = _Facade

@@ -27,7 +27,8 @@ from ._proc import ProcRuntime
 from ._selfwait import mark_if_self_call
 from ._spawn import ChildProc, kill_all_children, spawn_children, stop_children
 from ._stats import gather_stats, serve_telemetry, stats_snapshot, telemetry_wanted
-from ._supervision import CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy, default_fault_hook, kill_proc, stop_mesh
+from ._supervision import (CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy, default_fault_hook, fault_hook, kill_proc,
+                           set_fault_hook, stop_mesh)
 
 __all__ = [
     "hooks",
@@ -81,6 +82,8 @@ __all__ = [
     "MeshRecord",
     "RestartPolicy",
     "default_fault_hook",
+    "fault_hook",
+    "set_fault_hook",
     "kill_proc",
     "stop_mesh",
     "STOP_MARGIN_S",

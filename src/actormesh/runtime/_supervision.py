@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("actormesh.supervision")
 
-__all__ = ["MeshRecord", "RestartPolicy", "install", "default_fault_hook", "stop_owned", "stop_mesh", "CLIENT_NAME", "STOP_MARGIN_S"]
+__all__ = ["MeshRecord", "RestartPolicy", "install", "default_fault_hook", "fault_hook", "set_fault_hook", "stop_owned", "stop_mesh",
+           "CLIENT_NAME", "STOP_MARGIN_S"]
 
 CLIENT_NAME = "client"
 
@@ -73,9 +74,20 @@ def default_fault_hook(failure: MeshFailure) -> None:
 _fatal = threading.Event()
 
 
-def _current_fault_hook() -> Callable[[MeshFailure], None]:
-    facade = sys.modules.get("actormesh.actor")
-    return getattr(facade, "unhandled_fault_hook", None) or default_fault_hook
+_fault_hook: Callable[[MeshFailure], Any] | None = None
+
+
+def fault_hook() -> Callable[[MeshFailure], Any]:
+    """The hook a client's unhandled failures go to (``actormesh.actor.unhandled_fault_hook``)."""
+    return _fault_hook or default_fault_hook
+
+
+def set_fault_hook(hook: Callable[[MeshFailure], Any] | None) -> None:
+    """Replace the hook (None: the default, which reports and ends the program)."""
+    global _fault_hook
+    if hook is not None and not callable(hook):
+        raise TypeError(f"unhandled_fault_hook must be a callable taking a MeshFailure (or None), got {hook!r}")
+    _fault_hook = hook
 
 
 def _call_fault_hook(hook: Callable[[MeshFailure], None], failure: MeshFailure) -> None:
@@ -262,7 +274,7 @@ def _report(runtime: ProcRuntime, record: MeshRecord, failure: MeshFailure) -> N
     if record.owner == CLIENT_NAME:
         # The hook is chosen now, before any caller's future fails for this cause;
         # it runs off the loop thread: a user hook may block or call back into meshes.
-        hook = _current_fault_hook()
+        hook = fault_hook()
         runtime.threads.start(_call_fault_hook, hook, failure, name="actormesh-fault-hook")
         return
     cell = runtime.actors.get(record.owner)
