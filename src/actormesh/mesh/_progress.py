@@ -17,15 +17,23 @@ __all__ = ["progress"]
 def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
     """``with progress("spawning procs", 64) as advance: ... advance(1)``."""
     if total <= 1 or not sys.stderr.isatty():
-        yield lambda n=1: None
+        yield _no_progress
         return
     try:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:
-        yield lambda n=1: None
+        yield _no_progress
         return
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
     ) as bar:
         task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+
+        def advance(n: int = 1) -> None:
+            bar.advance(task, n)
+
+        yield advance
+
+
+def _no_progress(n: int = 1) -> None:
+    """What ``progress`` yields where no bar is shown: counts nothing."""

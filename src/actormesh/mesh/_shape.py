@@ -277,9 +277,9 @@ class Shape:
                                  f"multiply to {known}")
             new_sizes = [constraints.pop(n) for n in names]
             acc, new_strides = stride, []
-            for n in reversed(new_sizes):
+            for new_size in reversed(new_sizes):
                 new_strides.append(acc)
-                acc *= n
+                acc *= new_size
             sizes.extend(new_sizes)
             strides.extend(reversed(new_strides))
         if constraints:
