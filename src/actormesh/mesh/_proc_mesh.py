@@ -7,13 +7,14 @@ starts one actor per proc and returns its ActorMesh; the caller owns it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import Cause, CauseKind, MeshStoppedError
 from ..runtime import (
@@ -220,7 +221,7 @@ class ProcMesh(MeshTrait, TensorMethods):
             # the procs are gone on purpose now.
             for _, addrs in agents:
                 for a in addrs:
-                    rt.loop.call_soon_threadsafe(lambda a=a: rt.peer_gone(a, stopped, expected=True))
+                    rt.loop.call_soon_threadsafe(functools.partial(rt.peer_gone, a, stopped, expected=True))
             sink.flush()
 
         every = gather(futures, timeout_s=rt.config.stop_timeout + 10, call_later=rt.loop_thread.call_later, what="stopping remote procs")
@@ -237,7 +238,8 @@ class ProcMesh(MeshTrait, TensorMethods):
             raise ValueError(f"aggregate_window_sec must be > 0, got {aggregate_window_sec!r}")
         sink.configure(stream_to_client, aggregate_window_sec)
         if self._state is not None and (self._state.children or self._state.agents):
-            await self.spawn("_logging_level", _LogLevel, level).initialized
+            # spawn() is typed to return the actor class (so endpoints type-check); it is an ActorMesh
+            await cast("ActorMesh[_LogLevel]", self.spawn("_logging_level", _LogLevel, level)).initialized
 
     @property
     def host_mesh(self) -> Any:

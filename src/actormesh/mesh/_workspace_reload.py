@@ -81,10 +81,12 @@ def reload_changed(paths: dict[str, str], changed: dict[str, list[str]]) -> list
             sys.path.insert(0, root)
         for rel in changed.get(name, []):
             mod = _module_name(rel)
-            m = sys.modules.get(mod) if mod else None
+            if mod is None:
+                continue
+            m = sys.modules.get(mod)
             file = getattr(m, "__file__", None)
             if m is not None and file and os.path.abspath(file).startswith(root + os.sep) and os.path.exists(os.path.join(root, rel)):
-                todo.append((-mod.count("."), mod))  # type: ignore[union-attr]
+                todo.append((-mod.count("."), mod))
     done = []
     for _, mod in sorted(todo):
         module = sys.modules[mod]
