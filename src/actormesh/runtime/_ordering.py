@@ -37,12 +37,12 @@ class SeqOut:
     """Sequence numbers per destination address (thread-safe)."""
 
     def __init__(self) -> None:
-        self._counters: dict[str, itertools.count[int]] = {}
+        self._counters: dict[str | tuple[str, Any], itertools.count[int]] = {}
         self._lock = threading.Lock()
 
     def next(self, address: str, actor: Any = None) -> int:
         """The next number for a message to ``actor`` at ``address`` (or to ``address``)."""
-        key = address if actor is None else (address, actor)
+        key: str | tuple[str, Any] = address if actor is None else (address, actor)
         c = self._counters.get(key)
         if c is None:
             with self._lock:
@@ -107,11 +107,12 @@ class ReorderBuffer:
 
     def __init__(self, gap_timeout_s: float) -> None:
         self._gap_timeout_s = gap_timeout_s
-        self._streams: dict[str, _Stream] = {}
+        #: Keyed by stream: a sender address, or the runtime's ``(sender address, actor name)``.
+        self._streams: dict[Hashable, _Stream] = {}
         #: Senders with items held behind a gap -> when that gap was first seen.
-        self._waiting: dict[str, float] = {}
+        self._waiting: dict[Hashable, float] = {}
 
-    def take_next(self, sender: str, seq: int) -> bool:
+    def take_next(self, sender: Hashable, seq: int) -> bool:
         """Accept ``seq`` if it is the very next number from ``sender`` and nothing
         is held for it: then the caller releases the item at once (the common
         case, which needs no clock). Otherwise accept nothing: call :meth:`push`."""
@@ -123,7 +124,7 @@ class ReorderBuffer:
             return True
         return False
 
-    def push(self, sender: str, seq: int, item: Any, now: float) -> Sequence[Any]:
+    def push(self, sender: Hashable, seq: int, item: Any, now: float) -> Sequence[Any]:
         """Accept number ``seq`` from ``sender``; return what may be released now."""
         s = self._streams.get(sender)
         if s is None:
@@ -207,7 +208,7 @@ class Reorder:
         self._timer_due: float | None = None
 
     @property
-    def _streams(self) -> dict[str, _Stream]:
+    def _streams(self) -> dict[Hashable, _Stream]:
         return self._buffer._streams
 
     def push(self, sender: Hashable, seq: int, env: Any, payload: Any) -> None:
