@@ -14,7 +14,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Generator, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 __all__ = ["Future", "Promise", "gather", "when_done"]
 
@@ -57,7 +57,7 @@ class Future(Generic[R]):
         self._wedge: Callable[[str], str | None] | None = None
 
     @classmethod
-    def _create(cls) -> Future[Any]:
+    def _create(cls) -> Self:
         return cls(_TOKEN)
 
     @classmethod

@@ -313,16 +313,17 @@ class QueuePort(_PortBase):
         pass
 
 
-class _Receive(Future):  # type: ignore[type-arg]
+class _Receive(Future[Any]):
     """A ``recv()`` future: asks its port for a message on first observation."""
 
     __slots__ = ("_port",)
+    _port: QueuePort | None  # None once it has asked
 
     @classmethod
     def _lazy(cls, port: QueuePort) -> _Receive:
         fut = cls._create()
         fut._port = port
-        return fut  # type: ignore[return-value]
+        return fut
 
     def _observe(self) -> None:
         port = self._port
