@@ -47,6 +47,9 @@ class _BodyFuture(Future[T]):
     """A Future whose outcome is computed by a coroutine started by its first observer."""
 
     __slots__ = ("_coro", "_ctx", "_loop")
+    _coro: Coroutine[Any, Any, T] | None  # the body, until its first observer takes it
+    _ctx: contextvars.Context  # the caller's context variables, copied at the call
+    _loop: asyncio.AbstractEventLoop | None  # the loop the body runs on, once started
 
     def _take(self) -> Coroutine[Any, Any, T] | None:
         with _take_lock:
@@ -57,8 +60,10 @@ class _BodyFuture(Future[T]):
         _running.discard(task)
         if task.cancelled():
             self._set_exception(asyncio.CancelledError("the body of this @returns_future call was cancelled"))
-        elif task.exception() is not None:
-            self._set_exception(task.exception())  # type: ignore[arg-type]
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._set_exception(exc)
         else:
             self._set_result(task.result())
 
@@ -179,7 +184,7 @@ def returns_future(function: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P,
         except BaseException:
             coro.close()
             raise
-        fut: _BodyFuture[T] = _BodyFuture._create()  # type: ignore[assignment]
+        fut: _BodyFuture[T] = _BodyFuture._create()
         fut._coro, fut._ctx, fut._loop = coro, ctx, None
         return fut
 
