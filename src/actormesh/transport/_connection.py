@@ -24,7 +24,7 @@ import threading
 from collections import deque
 from time import monotonic as _monotonic
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
@@ -36,6 +36,8 @@ __all__ = ["Connection", "LostPayload", "parse_address"]
 
 log = logging.getLogger("actormesh.transport")
 
+#: Gets each frame's segments; a payload this process could not take in arrives as
+#: ``[envelope, LostPayload]`` (not in the type, so that handlers keep ``list[Segment]``).
 FrameHandler = Callable[["Connection", list[Segment]], None]
 CloseHandler = Callable[["Connection", "BaseException | None"], None]
 
@@ -131,7 +133,9 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- asyncio protocol callbacks (loop thread) ------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        # Only stream servers and connections (_sockets: create_server, create_connection) make
+        # this protocol, and they hand it a read-write Transport.
+        self._transport = transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.peer_name = str(peer) if peer else "unix-peer"
         # Resume is our signal that big buffers handed to the kernel are free.
@@ -183,13 +187,14 @@ class Connection(asyncio.BufferedProtocol):
         for frame in frames:
             if type(frame) is LostFrame:
                 log.warning("dropping the payload of a frame from %s: %s", self.peer_name, frame.error)
-                frame = [frame[0], LostPayload(frame.error)]
+                # stands in for the payload segment; FrameHandler's contract says handlers check for it
+                frame = [frame[0], LostPayload(frame.error)]  # type: ignore[list-item]
             elif type(frame) is ShmFrame:
                 try:
                     frame = ShmPool.import_frame(frame[0], frame[1:], self._peer_pid)
                 except ShmExhausted as exc:
                     log.warning("dropping the payload of a frame from %s: %s", self.peer_name, exc)
-                    frame = [frame[1], LostPayload(exc)]
+                    frame = [frame[1], LostPayload(exc)]  # type: ignore[list-item]  # as above
                 except ShmError as exc:
                     log.warning("closing connection from %s: %s", self.peer_name, exc)
                     self._abort(exc)
