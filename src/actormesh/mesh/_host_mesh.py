@@ -17,7 +17,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..runtime import CLIENT_NAME, ChildProc, Future, Promise, context, current_runtime, gather, runtime_started, spawn_children, when_done
 from ..transport import dumps
@@ -32,6 +32,7 @@ from ._workspace_reload import WorkspaceReloader
 
 if TYPE_CHECKING:
     from ..runtime import ProcRuntime
+    from ._actor_mesh import ActorMesh
 
 __all__ = ["HostMesh", "this_host"]
 
@@ -271,9 +272,12 @@ class HostMesh(MeshTrait):
             meshes = [m for m in self._state.proc_meshes if _running(m)]
         calls = []
         for pm in meshes:
-            reloaders = pm.spawn(f"workspace_reload_{os.urandom(4).hex()}", WorkspaceReloader)
+            state = pm._state
+            assert state is not None  # spawned through this host mesh, so it has its state
+            # spawn() is typed to return the actor class (so endpoints type-check); it is an ActorMesh
+            reloaders = cast("ActorMesh[WorkspaceReloader]", pm.spawn(f"workspace_reload_{os.urandom(4).hex()}", WorkspaceReloader))
             flat, start = reloaders.flatten("rank"), 0
-            for agent, addrs in (pm._state.agents or [("local", pm._state.addresses)]):
+            for agent, addrs in (state.agents or [("local", state.addresses)]):
                 part = flat.slice(rank=slice(start, start + len(addrs)))
                 calls.append((reloaders, part.reload.call(paths.get(agent, {}), changed)))
                 start += len(addrs)
