@@ -472,3 +472,22 @@ def test_rebind_takes_effect_for_the_rest_of_a_batch(tmp_path: Path) -> None:
 
     asyncio.run(scenario())
     assert first == [b"frame-0"] and rest == [b"frame-1", b"frame-2", b"frame-3"]
+
+
+def test_a_peer_first_routed_after_the_gateway_is_lost_is_unreachable() -> None:
+    """A route made after the gateway was lost is dead with the same UNREACHABLE Cause
+    as the routes that existed then, so a call to it raises ActorUnreachableError (with
+    bare text as the cause it was a plain SupervisionError)."""
+    import threading
+
+    from actormesh.errors import ActorUnreachableError, Cause, CauseKind, supervision_error
+    from actormesh.runtime._attached import AttachedRuntime
+
+    rt = AttachedRuntime.__new__(AttachedRuntime)  # no gateway: only the routing table is exercised
+    rt.attached_via, rt.closed = "tcp:127.0.0.1:1", False
+    rt._routes, rt._dead, rt._routes_lock = {}, {}, threading.Lock()
+    rt._on_gateway_close(None, None)  # the connection argument is not read
+    dead = rt.route("via:late@tcp:127.0.0.1:1").dead
+    assert isinstance(dead, Cause) and dead.kind is CauseKind.UNREACHABLE, repr(dead)
+    assert "lost the connection to the gateway at tcp:127.0.0.1:1" in dead
+    assert isinstance(supervision_error("call failed", dead), ActorUnreachableError)

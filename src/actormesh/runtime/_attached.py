@@ -13,9 +13,9 @@ import asyncio
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from ..errors import AuthenticationError, TransportError
+from ..errors import AuthenticationError, Cause, TransportError
 from ..transport import Connection, JobTLS, LostPayload, Segment, connect
 from . import _messages as M
 from ._gateway import ATTACH
@@ -82,9 +82,12 @@ class AttachedRuntime(ProcRuntime):
     (``AuthenticationError`` for a wrong secret) with what to check if that fails.
     """
 
+    attached_via: str  # never None here
+
     def __init__(self, gateway: str, *, secret: bytes, tls: JobTLS | None = None, name: str = "client") -> None:
         self.attached_via = gateway
-        self._gateway_lost: str | None = None
+        #: Why every peer is unreachable once the duplex is lost (routes made later fail with it too).
+        self._gateway_lost: Cause | None = None
         try:
             super().__init__(secret=secret, name=name, tls=tls)
         except BaseException:
@@ -172,7 +175,10 @@ class AttachedRuntime(ProcRuntime):
                     if self._gateway_lost is not None:
                         r.fail(self._gateway_lost)
                     else:
-                        r.publish(_DuplexLeg(self._listener.conn, address))  # type: ignore[arg-type]
+                        # _listen() returned a _Duplex (this runtime listens on nothing); the leg stands in
+                        # for the Connection a route publishes (send, last_rx, closed, abort)
+                        duplex = cast(_Duplex, self._listener)
+                        r.publish(_DuplexLeg(duplex.conn, address))  # type: ignore[arg-type]
                     self._routes[address] = r
         return r
 
@@ -198,10 +204,12 @@ class AttachedRuntime(ProcRuntime):
             return
         reason = f"lost the connection to the gateway at {self.attached_via}" + (f": {exc}" if exc else "")
         log.error("%s: this attached client can reach no proc any more", reason)
-        self._gateway_lost = reason
+        # A Cause, not bare text: routes made from now on fail with it (route()), and a call
+        # to one must raise ActorUnreachableError as a call to an existing one does.
+        self._gateway_lost = lost = Cause.of(reason)
         for address, r in list(self._routes.items()):
             if isinstance(r, Route):
-                self.peer_gone(address, reason)
+                self.peer_gone(address, lost)
 
 
 def attach_gateway(gateway: str, *, secret: bytes, tls: JobTLS | None = None) -> ProcRuntime:
