@@ -32,7 +32,7 @@ import pickle
 import sys
 from collections import ChainMap
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import cloudpickle
 
@@ -84,7 +84,7 @@ class _Bytes:
     def __init__(self, value: bytes | bytearray) -> None:
         self.value = value
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         rebuild = _as_bytes if type(self.value) is bytes else _as_bytearray
         return (rebuild, (pickle.PickleBuffer(self.value),))
 
@@ -106,15 +106,15 @@ def _as_view(buf: Any, fmt: str, shape: tuple[int, ...] | None, writable: bool =
         mv = mv.cast("B")
     if shape is None or (fmt == "B" and len(shape) == 1) or not mv.nbytes:
         return mv  # an empty view cannot be cast: it arrives as bytes
-    return mv.cast(fmt, shape)
+    return mv.cast(fmt, shape)  # type: ignore[call-overload]  # the sender's format: a str known only at run time
 
 
 def _reduce_view(mv: memoryview) -> tuple[Any, ...]:
     if mv.nbytes >= _OOB_MIN_BYTES and mv.c_contiguous:
-        shape = None if mv.format == "B" and mv.ndim == 1 else tuple(mv.shape)
+        shape = None if mv.format == "B" and mv.ndim == 1 else tuple(mv.shape or ())  # typeshed: Optional; CPython: never None
         return (_as_view, (pickle.PickleBuffer(mv), mv.format, shape, not mv.readonly))
     data = bytearray(mv.tobytes()) if not mv.readonly else mv.tobytes()
-    return (_as_view, (data, mv.format, tuple(mv.shape), not mv.readonly))
+    return (_as_view, (data, mv.format, tuple(mv.shape or ()), not mv.readonly))
 
 
 class _Walk:
@@ -250,8 +250,10 @@ def dumps(obj: Any, *, out_of_band: bool = True) -> list[Segment]:
             return True  # serialise in-band
         owner = raw.obj
         # bytes/bytearray go as themselves: the receiver allocates that type (see _buffers.py)
-        whole = (type(owner) is bytes or type(owner) is bytearray) and len(owner) == raw.nbytes
-        segments.append(owner if whole else raw)
+        if (type(owner) is bytes or type(owner) is bytearray) and len(owner) == raw.nbytes:
+            segments.append(owner)
+        else:
+            segments.append(raw)
         return False
 
     try:
