@@ -20,9 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 from ..runtime import launch as _launch
-
-CPUS_ENV, WORKER_ARGS, ProcCommand = _launch.CPUS_ENV, _launch.WORKER_ARGS, _launch.ProcCommand
 from ._shape import Point
+
+# One name a line: a plain class assignment is a type alias to mypy, a tuple unpacking is not.
+CPUS_ENV = _launch.CPUS_ENV
+WORKER_ARGS = _launch.WORKER_ARGS
+ProcCommand = _launch.ProcCommand
 
 __all__ = ["BootstrapCommand", "default_bootstrap_cmd", "check_proc_bind", "proc_commands", "check_python"]
 
