@@ -26,6 +26,7 @@ cleanup is left to run on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import queue
@@ -43,7 +44,7 @@ from ..transport import Segment, dumps, loads
 from . import _messages as M
 from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of
 from ._channel import Port
-from ._cell_async import _STOP, _SUPERVISE, AsyncCell, Stop, Supervise, _DropPort
+from ._cell_async import _STOP, _SUPERVISE, Stop, Supervise, _DropPort, run_async
 from ._cell_figures import CellFigures, now
 from ._loop import new_event_loop
 
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("actormesh.actor")
 
 __all__ = ["Cell", "install"]
-
 
 
 def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
@@ -70,7 +70,7 @@ def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
         return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), formatted))
 
 
-class Cell(AsyncCell, CellFigures):
+class Cell(CellFigures):
     """One actor instance and the thread that runs it."""
 
     def __init__(self, runtime: ProcRuntime, env: M.Spawn, payload: Sequence[Segment]) -> None:
@@ -101,7 +101,7 @@ class Cell(AsyncCell, CellFigures):
             self._deque: deque[tuple[Any, Any]] = deque()
             self._idle = False
             self._wake_event: asyncio.Event | None = None
-            target = self._run_async
+            target: Callable[[], None] = functools.partial(run_async, self)
         else:
             self._queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
             target = self._run_sync
@@ -144,9 +144,10 @@ class Cell(AsyncCell, CellFigures):
                 self._refuse(env)
 
     def _refuse(self, env: M.Call | Stop | Supervise) -> None:
-        if env.kind == M.CALL and env.reply is not None:
-            self.runtime.reply(env.reply, env.member, M.SUPERVISION, dumps(self.dead_text()))
-        elif env.kind == _STOP and env.reply is not None:
+        if isinstance(env, M.Call):  # kind M.CALL: calls reach a cell decoded, or typed() by a local route
+            if env.reply is not None:
+                self.runtime.reply(env.reply, env.member, M.SUPERVISION, dumps(self.dead_text()))
+        elif isinstance(env, Stop) and env.reply is not None:
             self.runtime.reply(env.reply, env.slot, M.OK, dumps(None))
 
     def dead_text(self) -> Cause:
@@ -178,7 +179,6 @@ class Cell(AsyncCell, CellFigures):
 
     # -- actor thread side --------------------------------------------------------------
     def _enter(self) -> bool:
-        rank_point = None
         try:
             from . import _hooks
 
@@ -228,10 +228,9 @@ class Cell(AsyncCell, CellFigures):
             env, payload = get()
             kind = env.kind
             if not ok or self.status != "running":
-                if kind == _STOP:
-                    self._refuse(env)
-                    return
                 self._refuse(env)
+                if kind == _STOP:
+                    return
                 continue
             if kind == M.CALL:
                 self._call_sync(env, payload)
@@ -267,7 +266,7 @@ class Cell(AsyncCell, CellFigures):
             if len(msg) > 2:  # the caller traced this call
                 scope = self._trace_scope(msg, env)
             if explicit:
-                port = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
+                port: Port[Any] | _DropPort = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
                 prop._fn(self.instance, port, *args, **kwargs)
                 return
             result = prop._fn(self.instance, *args, **kwargs)
