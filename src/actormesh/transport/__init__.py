@@ -5,7 +5,8 @@ from ._codec import SerializationError, dumps, loads
 from ._connection import Connection, LostPayload, parse_address
 from ._sockets import Listener, connect, listen
 from ._frames import FrameDecoder, Segment, encode_frame
-from ._shm import ShmError, ShmPool, buffer_address
+from ._memory import buffer_address
+from ._shm import ShmError, ShmPool
 from ._tls import JobTLS
 
 __all__ = [

@@ -30,7 +30,8 @@ from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
 from ._frames import FLAG_SHM, FrameDecoder, LostFrame, Segment, ShmFrame, encode_frame, frame_tail, seg_nbytes
 from ._outgoing import CHUNK_BYTES, CHUNK_MIN_BYTES, Outgoing
-from ._shm import ShmError, ShmExhausted, ShmPool, peer_pid_uid
+from ._memory import peer_pid_uid
+from ._shm import ShmError, ShmExhausted, ShmPool
 
 __all__ = ["Connection", "LostPayload", "parse_address"]
 
