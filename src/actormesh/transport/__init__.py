@@ -1,9 +1,9 @@
 """Transport layer: frames, codec, authenticated connections. Knows bytes, not actors."""
 
 from ._auth import HANDSHAKE_BYTES, Handshake, new_secret
-from ._codec import SerializationError, dumps, loads
-from ._connection import Connection, LostPayload, parse_address
-from ._sockets import Listener, connect, listen
+from ._codec import LostPayload, SerializationError, dumps, loads
+from ._connection import Connection
+from ._sockets import Listener, connect, listen, parse_address
 from ._frames import FrameDecoder, Segment, encode_frame
 from ._memory import buffer_address
 from ._shm import ShmError, ShmPool

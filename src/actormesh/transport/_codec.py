@@ -38,7 +38,7 @@ import cloudpickle
 
 from ._frames import Segment
 
-__all__ = ["dumps", "loads", "SerializationError"]
+__all__ = ["dumps", "loads", "SerializationError", "LostPayload"]
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 _ATOMS = frozenset({int, float, str, bool, type(None)})
@@ -277,3 +277,20 @@ def loads(segments: Sequence[Segment]) -> Any:
     # (Large bytes values, the only bytes meant to stay bytes, are never this small.)
     buffers = [bytearray(b) if type(b) is bytes and len(b) < _OOB_BYTES_MIN else b for b in segments[1:]]
     return pickle.loads(segments[0], buffers=buffers)
+
+
+class LostPayload:
+    """Stands in for a frame's payload that this process could not take in.
+
+    A frame handler gets ``[envelope, LostPayload]``: the envelope arrived, the
+    payload did not (``error`` says why: out of descriptors or memory). The
+    connection and the process live on; the layer above fails that one message.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error  # ShmExhausted or MemoryError; ``.resource`` names what ran out
+
+    def __repr__(self) -> str:
+        return f"<LostPayload {self.error}>"

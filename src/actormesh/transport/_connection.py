@@ -28,12 +28,13 @@ from typing import Any, cast
 
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
+from ._codec import LostPayload
 from ._frames import FLAG_SHM, FrameDecoder, LostFrame, Segment, ShmFrame, encode_frame, frame_tail, seg_nbytes
-from ._outgoing import CHUNK_BYTES, CHUNK_MIN_BYTES, Outgoing
 from ._memory import peer_pid_uid
+from ._outgoing import CHUNK_BYTES, CHUNK_MIN_BYTES, Outgoing
 from ._shm import ShmError, ShmExhausted, ShmPool
 
-__all__ = ["Connection", "LostPayload", "parse_address"]
+__all__ = ["Connection"]
 
 log = logging.getLogger("actormesh.transport")
 
@@ -41,36 +42,6 @@ log = logging.getLogger("actormesh.transport")
 #: ``[envelope, LostPayload]`` (not in the type, so that handlers keep ``list[Segment]``).
 FrameHandler = Callable[["Connection", list[Segment]], None]
 CloseHandler = Callable[["Connection", "BaseException | None"], None]
-
-
-class LostPayload:
-    """Stands in for a frame's payload that this process could not take in.
-
-    A frame handler gets ``[envelope, LostPayload]``: the envelope arrived, the
-    payload did not (``error`` says why: out of descriptors or memory). The
-    connection and the process live on; the layer above fails that one message.
-    """
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error  # ShmExhausted or MemoryError; ``.resource`` names what ran out
-
-    def __repr__(self) -> str:
-        return f"<LostPayload {self.error}>"
-
-
-def parse_address(address: str) -> tuple[str, Any]:
-    """Split ``unix:/path`` or ``tcp:host:port`` into (scheme, target)."""
-    scheme, _, rest = address.partition(":")
-    if scheme == "unix" and rest:
-        return "unix", rest
-    if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        host = host.strip("[]")
-        if host and port.isdigit():
-            return "tcp", (host, int(port))
-    raise ValueError(f"bad address {address!r}: expected 'unix:/path' or 'tcp:host:port'")
 
 
 # A connection quiet for this long takes the direct-write path (see _write_direct).

@@ -20,10 +20,23 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import AuthenticationError, TransportError
-from ._connection import CloseHandler, Connection, FrameHandler, parse_address
+from ._connection import CloseHandler, Connection, FrameHandler
 from ._shm import ShmPool
 
-__all__ = ["Listener", "connect", "listen", "receive_window_bytes", "tune_tcp"]
+__all__ = ["Listener", "connect", "listen", "parse_address", "receive_window_bytes", "tune_tcp"]
+
+
+def parse_address(address: str) -> tuple[str, Any]:
+    """Split ``unix:/path`` or ``tcp:host:port`` into (scheme, target)."""
+    scheme, _, rest = address.partition(":")
+    if scheme == "unix" and rest:
+        return "unix", rest
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        host = host.strip("[]")
+        if host and port.isdigit():
+            return "tcp", (host, int(port))
+    raise ValueError(f"bad address {address!r}: expected 'unix:/path' or 'tcp:host:port'")
 
 
 class Listener:
