@@ -16,6 +16,10 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .runtime import ProcRuntime
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -47,47 +51,24 @@ def _pin_cpus() -> str | None:
     return None
 
 
-def main() -> None:
-    spec = json.loads(sys.stdin.buffer.read())
-    _die_with_parent(spec["parent_pid"])
-    os.chdir(spec["cwd"])
-    for p in reversed(spec["sys_path"]):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+def _run_bootstrap(encoded: str) -> str | None:
+    """Run the spawner's bootstrap function; its traceback (to report in HELLO) if it raised."""
+    from .transport import loads
 
-    from . import telemetry
-    from .transport import JobTLS, loads
-    from .runtime import STOP_MARGIN_S, ProcRuntime, kill_all_children, set_runtime
-    import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
-    from .debug import install_breakpoint_hook
+    try:
+        result = loads([base64.b64decode(encoded)])()
+        if hasattr(result, "__await__"):
+            import asyncio
 
-    install_breakpoint_hook()  # breakpoint() in an actor pauses it for the debug console
+            asyncio.run(result)
+    except BaseException:
+        return traceback.format_exc()
+    return None
 
-    hello_error = _pin_cpus()
-    if spec["bootstrap"] and hello_error is None:
-        try:
-            fn = loads([base64.b64decode(spec["bootstrap"])])
-            result = fn()
-            if hasattr(result, "__await__"):
-                import asyncio
 
-                asyncio.run(result)
-        except BaseException:
-            hello_error = traceback.format_exc()
-
-    rt = ProcRuntime(
-        secret=bytes.fromhex(spec["secret"]),
-        name=spec["name"],
-        root_address=spec["root"],
-        parent_address=spec["parent"],
-        job_dir=spec["job_dir"],
-        transport=spec["transport"],
-        listen_address=spec["address"],
-        tls=JobTLS(*spec["tls"]) if spec.get("tls") else None,
-    )
-    rt.hello_error = hello_error
-    set_runtime(rt)
-    stop = threading.Event()
+def _stop_when_asked(rt: ProcRuntime, stop: threading.Event) -> None:
+    """Set ``stop`` once a STOP_PROC has let every actor stop, or the parent is lost."""
+    from .runtime import STOP_MARGIN_S
 
     def on_stop_proc(env: tuple) -> None:
         # Every actor has cleanup_timeout to stop (see _cell); one deadline for all of
@@ -113,6 +94,42 @@ def main() -> None:
             stop.set()
 
     rt.on_peer_lost.append(parent_lost)
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.buffer.read())
+    _die_with_parent(spec["parent_pid"])
+    os.chdir(spec["cwd"])
+    for p in reversed(spec["sys_path"]):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+    from . import telemetry
+    from .transport import JobTLS
+    from .runtime import ProcRuntime, kill_all_children, set_runtime
+    import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
+    from .debug import install_breakpoint_hook
+
+    install_breakpoint_hook()  # breakpoint() in an actor pauses it for the debug console
+
+    hello_error = _pin_cpus()
+    if spec["bootstrap"] and hello_error is None:
+        hello_error = _run_bootstrap(spec["bootstrap"])
+
+    rt = ProcRuntime(
+        secret=bytes.fromhex(spec["secret"]),
+        name=spec["name"],
+        root_address=spec["root"],
+        parent_address=spec["parent"],
+        job_dir=spec["job_dir"],
+        transport=spec["transport"],
+        listen_address=spec["address"],
+        tls=JobTLS(*spec["tls"]) if spec.get("tls") else None,
+    )
+    rt.hello_error = hello_error
+    set_runtime(rt)
+    stop = threading.Event()
+    _stop_when_asked(rt, stop)
     # Dial the parent: the connection's HELLO tells it we are ready.
     parent_route = rt.route(spec["parent"])  # a worker always has a parent, never itself
     parent_route.connecting = True  # type: ignore[union-attr]

@@ -21,6 +21,26 @@ __all__ = ["agent_manifests", "to_yaml", "SECRET_DIR"]
 SECRET_DIR = "/etc/actormesh"
 
 
+def _agent_container(image: str, python: str, controller: str, agent_port: int, env: dict[str, str] | None,
+                     resources: dict[str, Any] | None, image_pull_policy: str | None) -> dict[str, Any]:
+    """The pod's one container: a host agent on the pod's IP, dialling the controller."""
+    container: dict[str, Any] = {
+        "name": "agent",
+        "image": image,
+        "command": [python, "-m", "actormesh.host"],
+        "args": ["--address", f"tcp:$(POD_IP):{agent_port}", "--controller", controller, "--secret-file", f"{SECRET_DIR}/secret"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        + [{"name": k, "value": v} for k, v in (env or {}).items()],
+        "ports": [{"name": "agent", "containerPort": agent_port}],
+        "volumeMounts": [{"name": "job-secret", "mountPath": SECRET_DIR, "readOnly": True}],
+    }
+    if image_pull_policy:
+        container["imagePullPolicy"] = image_pull_policy
+    if resources:
+        container["resources"] = resources
+    return container
+
+
 def agent_manifests(
     *,
     name: str,
@@ -56,20 +76,7 @@ def agent_manifests(
         "spec": {"clusterIP": "None", "selector": labels, "ports": [{"name": "agent", "port": agent_port, "targetPort": agent_port}]},
     })
     for mesh, hosts in meshes.items():
-        container: dict[str, Any] = {
-            "name": "agent",
-            "image": image,
-            "command": [python, "-m", "actormesh.host"],
-            "args": ["--address", f"tcp:$(POD_IP):{agent_port}", "--controller", controller, "--secret-file", f"{SECRET_DIR}/secret"],
-            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-            + [{"name": k, "value": v} for k, v in (env or {}).items()],
-            "ports": [{"name": "agent", "containerPort": agent_port}],
-            "volumeMounts": [{"name": "job-secret", "mountPath": SECRET_DIR, "readOnly": True}],
-        }
-        if image_pull_policy:
-            container["imagePullPolicy"] = image_pull_policy
-        if resources:
-            container["resources"] = resources
+        container = _agent_container(image, python, controller, agent_port, env, resources, image_pull_policy)
         out.append({
             "apiVersion": "batch/v1",
             "kind": "Job",

@@ -311,6 +311,28 @@ def _world(procs: Any) -> int:
     return n
 
 
+def _link_from(link_gbps: float | str | None) -> Link:
+    """The link auto_plan costs collectives with, from its ``link_gbps`` argument."""
+    if link_gbps == "measure":
+        return measure_link()
+    if link_gbps is None:
+        return Link()
+    if isinstance(link_gbps, bool) or not isinstance(link_gbps, (int, float)) or not 0 < link_gbps < math.inf:
+        raise ValueError(f"link_gbps must be a positive number, None or 'measure', got {link_gbps!r}")
+    return Link(gbps=float(link_gbps), source=f"{link_gbps:g} Gbps given, other figures default")
+
+
+def _candidate_problem(model: Any, c: Candidate, heads: Any, n_blocks: int | None, batch: int) -> str:
+    """Why the layout ``c`` cannot run this model and batch at all ("" if it can)."""
+    dp, fsdp, tp, pp = c.dp, c.fsdp, c.tp, c.pp
+    local = batch // (dp * fsdp)
+    return (_tp_problem(model, tp, heads) or
+            ("pp needs model.blocks" if pp > 1 and n_blocks is None else "") or
+            (f"pp={pp} > {n_blocks} blocks" if n_blocks is not None and pp > n_blocks else "") or
+            (f"batch {batch} does not split over dp*fsdp={dp * fsdp}" if batch % (dp * fsdp) else "") or
+            (f"{local} samples per rank do not split into >= {pp} microbatches" if not _microbatch_options(local, pp) else ""))
+
+
 def auto_plan(
     model_fn: Callable[[], Any],
     sample_batch: Any,
@@ -346,13 +368,7 @@ def auto_plan(
     bad = set(allow) - set(AXES)
     if bad:
         raise ValueError(f"allow names unknown axes {sorted(bad)}; choose from {AXES}")
-    if link is None and link_gbps == "measure":
-        link = measure_link()
-    elif link is None and link_gbps is not None:
-        if isinstance(link_gbps, bool) or not isinstance(link_gbps, (int, float)) or not 0 < link_gbps < math.inf:
-            raise ValueError(f"link_gbps must be a positive number, None or 'measure', got {link_gbps!r}")
-        link = Link(gbps=float(link_gbps), source=f"{link_gbps:g} Gbps given, other figures default")
-    link = link or Link()
+    link = link or _link_from(link_gbps)
     model = model_fn()
     batch = batch_size_of(sample_batch)
     m = _fit(model, sample_batch, batch, costs, repeats)
@@ -365,12 +381,7 @@ def auto_plan(
         base = Candidate(dp, fsdp, tp, pp)
         off = [a for a in AXES if getattr(base, a) > 1 and a not in allow]
         local = batch // (dp * fsdp)
-        why = (f"{'/'.join(off)} not allowed" if off else
-               _tp_problem(model, tp, heads) or
-               ("pp needs model.blocks" if pp > 1 and n_blocks is None else "") or
-               (f"pp={pp} > {n_blocks} blocks" if n_blocks is not None and pp > n_blocks else "") or
-               (f"batch {batch} does not split over dp*fsdp={dp * fsdp}" if batch % (dp * fsdp) else "") or
-               (f"{local} samples per rank do not split into >= {pp} microbatches" if not _microbatch_options(local, pp) else ""))
+        why = f"{'/'.join(off)} not allowed" if off else _candidate_problem(model, base, heads, n_blocks, batch)
         if why:
             out.append(replace(base, note=why))
             continue

@@ -301,25 +301,7 @@ def partition(
         raise ValueError(f"num_stages must be between 1 and the number of layers ({n}), got {num_stages}")
     k = num_stages
     speed_list = _per_stage(speeds, k, "speeds", positive=True) or [1.0] * k
-    limits = _per_stage(memory_limit, k, "memory_limit", positive=False)
-    if memory is not None:
-        if isinstance(memory, (str, bytes)) or len(memory) != n:
-            raise ValueError(f"memory must have one entry per layer ({n})")
-        mem = _check_values(memory, "memory", names)
-    elif limits is not None:
-        if default_mem is None:
-            raise ValueError("memory_limit needs per-layer memory: pass memory=[...] or LayerCost costs")
-        mem = default_mem
-    else:
-        mem = [0.0] * n
-    limits = limits or [math.inf] * k
-    biggest = max(limits)
-    for j, m in enumerate(mem):
-        if m > biggest:
-            raise ValueError(
-                f"{_label(j, names)} needs {m:g} bytes of memory, more than any stage's limit "
-                f"(largest {biggest:g}): it cannot fit in any stage"
-            )
+    mem, limits = _memory_and_limits(memory, memory_limit, default_mem, names, n, k)
     prob = _Problem(cost_values, mem, speed_list, limits)
     best = prob.split(math.inf)
     if best is None:
@@ -341,6 +323,31 @@ def partition(
             best = cand
             hi = _bits(prob.bottleneck(cand))  # jump to the achieved value (<= mid)
     return best
+
+
+def _memory_and_limits(memory: Sequence[float] | None, memory_limit: float | Sequence[float] | None, default_mem: list[float] | None,
+                       names: Sequence[str], n: int, k: int) -> tuple[list[float], list[float]]:
+    """Per-layer memory and per-stage limits, checked: every layer fits some stage."""
+    limits = _per_stage(memory_limit, k, "memory_limit", positive=False)
+    if memory is not None:
+        if isinstance(memory, (str, bytes)) or len(memory) != n:
+            raise ValueError(f"memory must have one entry per layer ({n})")
+        mem = _check_values(memory, "memory", names)
+    elif limits is not None:
+        if default_mem is None:
+            raise ValueError("memory_limit needs per-layer memory: pass memory=[...] or LayerCost costs")
+        mem = default_mem
+    else:
+        mem = [0.0] * n
+    limits = limits or [math.inf] * k
+    biggest = max(limits)
+    for j, m in enumerate(mem):
+        if m > biggest:
+            raise ValueError(
+                f"{_label(j, names)} needs {m:g} bytes of memory, more than any stage's limit "
+                f"(largest {biggest:g}): it cannot fit in any stage"
+            )
+    return mem, limits
 
 
 def stage_times(costs: Sequence[Cost], stages: Sequence[range], speeds: Sequence[float] | None = None) -> list[float]:

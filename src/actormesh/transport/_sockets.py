@@ -289,20 +289,7 @@ async def connect(
         if remaining <= 0:
             raise TransportError(f"could not connect to {address} within {timeout_s:.1f}s: {last}") from last
         try:
-            if scheme == "unix":
-                coro = loop.create_unix_connection(make, target)
-            else:
-                coro = loop.create_connection(
-                    make, target[0], target[1], ssl=ssl_context, server_hostname="" if ssl_context else None,
-                    ssl_handshake_timeout=handshake_timeout_s if ssl_context else None,
-                )
-            _, conn = await asyncio.wait_for(coro, remaining)
-            try:
-                await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
-            except asyncio.TimeoutError:
-                conn._abort(TransportError("connect deadline passed during the handshake"))
-                raise
-            return conn
+            return await _dial_once(loop, scheme, target, make, ssl_context, handshake_timeout_s, remaining)
         except AuthenticationError:
             raise
         except FileNotFoundError as exc:
@@ -324,6 +311,25 @@ async def connect(
             last = exc
         await asyncio.sleep(min(delay * (1 + random.random()), max(0.0, deadline - loop.time())))
         delay = min(delay * 2, 0.5)
+
+
+async def _dial_once(loop: asyncio.AbstractEventLoop, scheme: str, target: Any, make: Callable[[], Connection],
+                     ssl_context: ssl.SSLContext | None, handshake_timeout_s: float, remaining: float) -> Connection:
+    """One connection attempt and its handshake, both within ``remaining`` seconds."""
+    if scheme == "unix":
+        coro = loop.create_unix_connection(make, target)
+    else:
+        coro = loop.create_connection(
+            make, target[0], target[1], ssl=ssl_context, server_hostname="" if ssl_context else None,
+            ssl_handshake_timeout=handshake_timeout_s if ssl_context else None,
+        )
+    _, conn = await asyncio.wait_for(coro, remaining)
+    try:
+        await asyncio.wait_for(asyncio.shield(conn.ready), remaining)
+    except asyncio.TimeoutError:
+        conn._abort(TransportError("connect deadline passed during the handshake"))
+        raise
+    return conn
 
 
 def _job_dir_gone(path: str) -> bool:
