@@ -28,22 +28,18 @@ Any other flag, a chunk with no chunked frame in progress or longer than what
 that frame still lacks, a second chunked frame while one is in progress, an
 unknown kind, lengths that do not add up: each is a protocol error.
 
-The decoder is written for asyncio's ``BufferedProtocol``: the event loop asks
-``get_buffer()`` for memory and reports with ``buffer_updated(n)``. Small frames
-share one reusable receive buffer and are copied out (cheap). The segments of a
-frame with 64 KiB of data or more are each allocated once, at their final size
-and kind, and the socket writes straight into them: a ``bytes`` argument
-arrives in its ``bytes`` object, a tensor's buffer in memory torch wraps as it
-is (writable memoryviews).
+The decoder is written for asyncio's ``BufferedProtocol`` (``get_buffer()``,
+``buffer_updated(n)``). Small frames share one reusable receive buffer and are
+copied out (cheap). The segments of a frame with 64 KiB of data or more are each
+allocated once, at their final size and kind, and the socket writes straight
+into them (a ``bytes`` argument arrives in its ``bytes`` object, a tensor's
+buffer in memory torch wraps as it is).
 
-Any violation raises :class:`ProtocolError`; the decoder is then unusable, and the
-caller closes the connection.
-
-Running out of memory is not a violation: when the segments of a large frame
-cannot be allocated, the decoder keeps the envelope (segment 0, when small),
-discards the rest of the frame's bytes as they come and then yields a
-:class:`LostFrame` holding just the envelope, so the layer above can fail that
-one message while the stream goes on.
+Any violation raises :class:`ProtocolError`; the decoder is then unusable, and
+the caller closes the connection. Running out of memory is not a violation:
+the decoder keeps the envelope, discards the rest of that frame's bytes as they
+come and yields a :class:`LostFrame` holding just the envelope, so the layer
+above fails that one message while the stream goes on.
 """
 
 from __future__ import annotations
@@ -319,26 +315,15 @@ class FrameDecoder:
                     raise ProtocolError(f"frame has a segment of unknown kind {max(kinds)}")
             data_start = start + PREFIX_BYTES + table
             if flags == FLAG_CHUNKED:
-                if self._chunked is not None:
-                    raise ProtocolError("a chunked frame started while another is in progress")
-                if not 0 < data_len <= self._max:
-                    raise ProtocolError(f"chunked frame of {data_len} bytes (limit codec_max_frame_length={self._max})")
-                self._chunked = self._assemble(lens, kinds, 0)
+                self._begin_chunked(lens, kinds, data_len)
                 self._start = data_start
                 continue
             if data_len != body_len - table:
                 raise ProtocolError("frame segment lengths do not add up to its body length")
             complete = avail >= PREFIX_BYTES + body_len
             if data_len >= _BIG_BYTES:
-                # Segments of their own, of the kind sent; the rest of the frame comes straight into them.
-                have = view[data_start : min(self._end, data_start + data_len)]
-                asm = self._assemble(lens, kinds, flags)
-                asm.copy_in(have)
-                self._start = data_start + len(have)
-                if complete:
-                    frames.append(asm.frame())
+                if self._begin_big(lens, kinds, flags, data_start, data_len, complete, frames):
                     continue
-                self._target, self._inflow = asm, asm.remaining
                 break
             if not complete:
                 break
@@ -352,6 +337,27 @@ class FrameDecoder:
         if self._start == self._end:
             self._start = self._end = 0
         return frames
+
+    def _begin_chunked(self, lens: Sequence[int], kinds: Sequence[int], data_len: int) -> None:
+        """A chunked frame's header was read: its chunks will come straight into new segments."""
+        if self._chunked is not None:
+            raise ProtocolError("a chunked frame started while another is in progress")
+        if not 0 < data_len <= self._max:
+            raise ProtocolError(f"chunked frame of {data_len} bytes (limit codec_max_frame_length={self._max})")
+        self._chunked = self._assemble(lens, kinds, 0)
+
+    def _begin_big(self, lens: Sequence[int], kinds: Sequence[int], flags: int, data_start: int, data_len: int,
+                   complete: bool, frames: list[list[Segment]]) -> bool:
+        """A large frame into segments of its own (the rest comes straight into them); True if it was whole."""
+        have = self._view[data_start : min(self._end, data_start + data_len)]
+        asm = self._assemble(lens, kinds, flags)
+        asm.copy_in(have)
+        self._start = data_start + len(have)
+        if complete:
+            frames.append(asm.frame())
+            return True
+        self._target, self._inflow = asm, asm.remaining
+        return False
 
     def _chunk(self, body_len: int, nseg: int, frames: list[list[Segment]]) -> bool:
         """Take a chunk whose prefix is at ``_start``; False when the rest is to come from the stream."""
