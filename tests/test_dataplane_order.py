@@ -58,10 +58,10 @@ def test_a_cast_from_inside_its_mesh_keeps_order_without_waiting_for_a_gap(spawn
 def test_numbers_are_per_destination_actor_and_forgetting_a_process_drops_all_of_its_actors() -> None:
     from actormesh.runtime._ordering import ReorderBuffer, SeqOut
 
-    seq = SeqOut()
-    assert [seq.next("p", "a"), seq.next("p", "a"), seq.next("p", "b"), seq.next("q", "a")] == [0, 1, 0, 0]
+    seq = SeqOut()  # (number, previous number to that actor): one chain per destination actor
+    assert [seq.next("p", "a"), seq.next("p", "a"), seq.next("p", "b"), seq.next("q", "a")] == [(0, -1), (1, 0), (0, -1), (2, -1)]
     seq.forget("p")
-    assert (seq.next("p", "a"), seq.next("q", "a")) == (0, 1)
+    assert (seq.next("p", "a"), seq.next("p", "b"), seq.next("q", "a")) == ((3, -1), (0, -1), (4, 2))  # p's chains start anew; b had no other member: dropped
 
     buf = ReorderBuffer(gap_timeout_s=5.0)
     assert buf.push(("s", "a"), 1, "a1", now=0.0) == ()  # a's 0 is still on its way (a large message)

@@ -9,12 +9,12 @@ import pytest
 from actormesh.runtime import messages as M
 
 EXAMPLES = [
-    M.Call(M.CALL, "counter-1a2b", "incr", ("unix:/tmp/c.sock", 7), 3, ("gpus",), (4,), "unix:/tmp/c.sock", 41),
+    M.Call(M.CALL, "counter-1a2b", "incr", ("unix:/tmp/c.sock", 7), 3, ("gpus",), (4,), "unix:/tmp/c.sock", 41, 40),
     M.Reply(M.REPLY, 7, 3, M.OK, "unix:/tmp/w.sock"),
     M.ReplyMulti(M.REPLY_MULTI, 7, ((0, M.OK, 1), (1, M.ERROR, 1)), "unix:/tmp/w.sock"),
     M.Spawn(M.SPAWN, "counter-1a2b", 0, ("gpus",), (4,), ("unix:/tmp/c.sock", "client"), ("unix:/tmp/c.sock", 2), "<counter>", False),
-    M.StopActor(M.STOP_ACTOR, "counter-1a2b", None, 0, "unix:/tmp/c.sock", 42),
-    M.Cast(M.CAST, "counter-1a2b", "incr", None, ("gpus",), (4,), "unix:/tmp/c.sock", ((0, "unix:/tmp/w.sock", 5),)),
+    M.StopActor(M.STOP_ACTOR, "counter-1a2b", None, 0, "unix:/tmp/c.sock", 42, 41),
+    M.Cast(M.CAST, "counter-1a2b", "incr", None, ("gpus",), (4,), "unix:/tmp/c.sock", 0, ("unix:/tmp/w.sock",), 5, 4, {0: 2}),
     M.StopProc(M.STOP_PROC, None),
     M.Hello(M.HELLO, "unix:/tmp/w.sock", 123, None, M.RESTART),
     M.Failure(M.FAILURE, "client", "counter-1a2b", 2, "boom", "<counter 2>", "unix:/tmp/w.sock"),
@@ -69,7 +69,7 @@ class _Capture:
 
 
 def test_the_verbs_build_messages_that_decode_to_their_types() -> None:
-    from actormesh.runtime import ProcRuntime
+    from actormesh.runtime import CastPlan, ProcRuntime
 
     rt = ProcRuntime(name="verbs")
     try:
@@ -79,7 +79,9 @@ def test_the_verbs_build_messages_that_decode_to_their_types() -> None:
         rt.reply((peer, 7), 1, M.OK, [b""])
         rt.stop_actor(peer, "counter-1", None, 0)
         rt.spawn_actor(peer, "counter-1", 0, (), (), None, None, "<c>", False, [b""])
-        rt.cast("counter-1", "incr", None, (), (), [peer, peer], [b""], fanout=8)
+        peer2 = "unix:/nonexistent/peer2.sock"
+        rt._routes[peer2] = capture  # type: ignore[assignment]
+        rt.cast("counter-1", "incr", None, (), (), CastPlan([peer, peer2], fanout=8), [b""], whole=True)
         types, keys = [], []
         for env, key in capture.sent:
             back = M.decode(M.encode(env))
@@ -89,8 +91,10 @@ def test_the_verbs_build_messages_that_decode_to_their_types() -> None:
         assert types == [M.Call, M.Reply, M.StopActor, M.Spawn, M.Cast, M.Cast]  # one cast per subtree
         assert keys == ["counter-1", 7, "counter-1", None, "counter-1", "counter-1"]  # what a connection keeps in order
         call, _, stop, _, cast0, cast1 = (M.decode(M.encode(env)) for env, _ in capture.sent)
-        assert (call.sender, call.seq, call.member) == (rt.address, 0, 2)
-        # one sequence per destination actor, whether by call, stop or cast
-        assert (stop.seq, cast0.members, cast1.members) == (1, ((0, peer, 2),), ((1, peer, 3),))
+        assert (call.sender, call.seq, call.prev, call.member) == (rt.address, 0, -1, 2)
+        # one chain per destination actor, whether by call, stop or cast
+        assert (stop.seq, stop.prev) == (1, 0)
+        assert (cast0.lo, cast0.addrs, cast0.seq, cast0.prev, cast0.exceptions) == (0, (peer,), 2, -1, {0: 1})
+        assert (cast1.lo, cast1.addrs, cast1.seq, cast1.prev, cast1.exceptions) == (1, (peer2,), 2, -1, None)
     finally:
         rt.close()

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ..errors import SupervisionError
 from ..config import get_config
-from ..runtime import Future, GatherPort, gather, OnePort, Port, StreamPort, mark_if_self_call, pick_random
+from ..runtime import CastPlan, Future, GatherPort, gather, OnePort, Port, StreamPort, mark_if_self_call, pick_random
 from ..telemetry import STATE as _TELEMETRY
 from ..telemetry import call_context
 from ..transport import dumps
 from ._shape import Shape
 from ._value_mesh import ValueMesh
-from ._views import _cast_hooks, run_cast_hooks
+from ._views import _cast_hooks, cast_plan, run_cast_hooks
 
 if TYPE_CHECKING:
     from ._actor_mesh import ActorMesh
@@ -73,14 +73,15 @@ class Endpoint(Generic[P, R]):
         """The error calls on this mesh (view) fail with, if the owner knows they cannot succeed."""
         return self._mesh._status_error(self._what)
 
-    def _tree(self, payload: list[Any], reply: tuple[str, int] | None) -> list[str]:
-        """Cast to the whole view along a tree; return, per member, the address
-        of the top-level subtree root that owes its reply."""
+    def _tree(self, payload: list[Any], reply: tuple[str, int] | None) -> CastPlan:
+        """Cast to the whole view along a tree; the plan's ``owed`` gives, per member,
+        the address of the top-level subtree root that owes its reply."""
         mesh = self._mesh
         shape = mesh._shape
-        addresses = [mesh._addresses[shape.rank_at(i)] for i in range(len(shape))]
-        return mesh._runtime().cast(mesh._mesh_name, self._prop.name, reply, shape.labels, shape.sizes, addresses, payload,
-                                    get_config().max_cast_fanout)
+        plan = cast_plan(mesh, get_config().max_cast_fanout)
+        whole = len(shape) == len(mesh._addresses)  # a view of all the ranks is the whole mesh
+        mesh._runtime().cast(mesh._mesh_name, self._prop.name, reply, shape.labels, shape.sizes, plan, payload, whole)
+        return plan
 
     def _use_tree(self) -> bool:
         return len(self._mesh._shape) > get_config().max_cast_fanout
@@ -115,7 +116,8 @@ class Endpoint(Generic[P, R]):
         build = lambda values: ValueMesh(result_shape, values)  # noqa: E731
         if self._use_tree():
             port = GatherPort(rt, self._what, [], build, self._describe, expected=len(shape))
-            port.await_addresses(self._tree(payload, (rt.address, port.port_id)))
+            plan = self._tree(payload, (rt.address, port.port_id))
+            port.await_addresses(plan.owed, plan.roots)
             mark_if_self_call(port.future, self._mesh._mesh_name, self._targets, self._what)  # listed only for a self-call
             return port.future
         targets = self._targets()

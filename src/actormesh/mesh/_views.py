@@ -6,12 +6,19 @@ issued them in)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..runtime import CastPlan
 from ._shape import Shape
 
-__all__ = ["root_view", "shape_of", "with_shape", "mesh_key", "addresses_of", "add_cast_hook", "remove_cast_hook", "run_cast_hooks"]
+__all__ = ["root_view", "shape_of", "with_shape", "mesh_key", "addresses_of", "cast_plan", "add_cast_hook", "remove_cast_hook",
+           "run_cast_hooks"]
+
+#: Views whose cast plan was made, most recently used last (bounded: views are made freely).
+_PLANS: OrderedDict[tuple[str, Shape, int], CastPlan] = OrderedDict()
+_MAX_PLANS = 256
 
 M = TypeVar("M")
 
@@ -40,6 +47,24 @@ def addresses_of(mesh: Any) -> list[str]:
     """The proc address of each point of a mesh view, in row-major order."""
     shape, addrs = mesh._shape, mesh._addresses
     return [addrs[shape.rank_at(i)] for i in range(len(shape))]
+
+
+def cast_plan(mesh: Any, fanout: int) -> CastPlan:
+    """The cast tree of an actor mesh view, made once per view (not per cast): casting
+    then costs the sender no work per member. Keyed by mesh name and shape, so
+    views made anew (``mesh.slice(...)`` each time) share it; a mesh's addresses never change."""
+    key = (mesh._mesh_name, mesh._shape, fanout)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = CastPlan(addresses_of(mesh), fanout)
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    elif len(_PLANS) > 1:
+        try:
+            _PLANS.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile
+            pass
+    return plan
 
 
 def mesh_key(mesh: Any) -> str:

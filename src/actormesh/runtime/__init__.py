@@ -16,6 +16,7 @@ from ._actor import (
     endpoints_of,
 )
 from ._attached import attach_gateway
+from ._cast import CastPlan
 from ._channel import Channel, Port, PortReceiver
 from ._context import context, current_actor_name, current_runtime, enable_transport, runtime_started, set_runtime, shutdown_context
 from ._future import Future, Promise, gather, when_done
@@ -64,6 +65,7 @@ __all__ = [
     "Uid",
     "returns_future",
     "GatherPort",
+    "CastPlan",
     "OnePort",
     "QueuePort",
     "StreamPort",

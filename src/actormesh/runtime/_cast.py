@@ -11,6 +11,7 @@ peer), so no caller waits forever.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,25 +21,71 @@ from . import _messages as M
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
 
-__all__ = ["split", "handle_cast", "RelayPort", "tree_stats"]
+__all__ = ["split", "ranges", "CastPlan", "handle_cast", "RelayPort", "tree_stats"]
 
-Member = tuple[int, str, int]  # (message index, address, sequence number)
 T = TypeVar("T")
+
+
+def ranges(n: int, fanout: int) -> list[tuple[int, int]]:
+    """Cut ``0..n-1`` into at most ``fanout`` contiguous, near-equal ``[lo, hi)`` ranges."""
+    if n <= 0:
+        return []
+    k = min(fanout, n)
+    base, extra = divmod(n, k)
+    out, pos = [], 0
+    for c in range(k):
+        size = base + (1 if c < extra else 0)
+        out.append((pos, pos + size))
+        pos += size
+    return out
 
 
 def split(members: Sequence[T], fanout: int) -> list[list[T]]:
     """Cut ``members`` into at most ``fanout`` contiguous, near-equal chunks."""
-    n = len(members)
-    if n == 0:
-        return []
-    k = min(fanout, n)
-    base, extra = divmod(n, k)
-    chunks, pos = [], 0
-    for c in range(k):
-        size = base + (1 if c < extra else 0)
-        chunks.append(list(members[pos : pos + size]))
-        pos += size
-    return chunks
+    return [list(members[lo:hi]) for lo, hi in ranges(len(members), fanout)]
+
+
+class CastPlan:
+    """How a cast to one mesh view leaves the sender: its top-level subtrees.
+
+    Built once per view (the mesh layer caches it), so a cast costs the sender
+    O(fanout): one message per subtree, each carrying its slice of ``addresses``
+    as a tuple made here, and no work per member (see Verbs.cast).
+    """
+
+    __slots__ = ("addresses", "chunks", "roots", "owed", "_los", "_index_of")
+
+    def __init__(self, addresses: Sequence[str], fanout: int) -> None:
+        addrs = tuple(addresses)
+        self.addresses = addrs
+        #: ``(lo, addresses of members lo, lo + 1, ...)`` per subtree; the first address is its root.
+        self.chunks = [(lo, addrs[lo:hi]) for lo, hi in ranges(len(addrs), fanout)]
+        self.roots = tuple(sub[0] for _, sub in self.chunks)
+        #: Per member, the address of the subtree root that owes its reply.
+        self.owed = tuple(root for (_, sub), root in zip(self.chunks, self.roots) for _ in sub)
+        self._los = [lo for lo, _ in self.chunks]
+        self._index_of: dict[str, int] | None = None  # built the first time a cast has exceptions
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    def exceptions_by_chunk(self, by_address: dict[str, int]) -> list[dict[int, int] | None]:
+        """Per subtree, ``{member index: prev}`` of the members of ``by_address`` in it
+        (addresses not in the view are dropped). O(len(by_address))."""
+        index_of = self._index_of
+        if index_of is None:
+            index_of = self._index_of = {a: i for i, a in enumerate(self.addresses)}
+        out: list[dict[int, int] | None] = [None] * len(self.chunks)
+        for address, prev in by_address.items():
+            i = index_of.get(address)
+            if i is None:
+                continue
+            c = bisect_right(self._los, i) - 1
+            d = out[c]
+            if d is None:
+                d = out[c] = {}
+            d[i] = prev
+        return out
 
 
 def tree_stats(n: int, fanout: int) -> dict[str, Any]:
@@ -125,23 +172,32 @@ class RelayPort:
 
 
 def handle_cast(rt: ProcRuntime, env: M.Cast, payload: Sequence[Segment]) -> None:
-    """Deliver this node's members of a cast and forward the rest (loop thread)."""
-    actor, reply, sender, members = env.actor, env.reply, env.sender, env.members
+    """Deliver this node's member of a cast and forward the rest of its subtree (loop thread).
+
+    The subtree is the members ``env.lo, env.lo + 1, ...`` at ``env.addrs``; the
+    first is ours, the others are cut into at most ``fanout`` contiguous subtrees."""
+    actor, reply, sender, lo, addrs, exceptions = env.actor, env.reply, env.sender, env.lo, env.addrs, env.exceptions
     here = rt.address
-    mine = [m for m in members if m[1] == here]
-    rest = [m for m in members if m[1] != here]
-    chunks = split(rest, rt.config.max_cast_fanout)
+    children = [(lo + 1 + a, addrs[1 + a : 1 + b]) for a, b in ranges(len(addrs) - 1, rt.config.max_cast_fanout)]
     reply_here = None
     if reply is not None:
-        owed_by = {m[0]: chunk[0][1] for chunk in chunks for m in chunk}
-        for m in mine:
-            owed_by[m[0]] = here
-        relay = RelayPort(rt, reply, [m[0] for m in members], owed_by)
+        owed_by = {lo: here}
+        for clo, sub in children:
+            root = sub[0]
+            for i in range(clo, clo + len(sub)):
+                owed_by[i] = root
+        relay = RelayPort(rt, reply, range(lo, lo + len(addrs)), owed_by)
         reply_here = (here, relay.port_id)
-    for chunk in chunks:
-        rt.send(chunk[0][1], env._replace(reply=reply_here, members=tuple(chunk)), payload)  # keeps its numbers
-    if mine and len(payload) > 1:
+    for clo, sub in children:
+        mine = None
+        if exceptions:
+            chi = clo + len(sub)
+            mine = {i: p for i, p in exceptions.items() if clo <= i < chi} or None
+        rt.send(sub[0], env._replace(reply=reply_here, lo=clo, addrs=sub, exceptions=mine), payload)  # keeps its numbers
+    if children and len(payload) > 1:
         # Forwarded buffers may still be in flight: the local actor gets its own copy.
         payload = [payload[0], *(bytearray(s) for s in payload[1:])]
-    for index, _, seq in mine:
-        rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, env.endpoint, reply_here, index, env.labels, env.sizes, sender, seq), payload)
+    seq = env.seq
+    prev = exceptions.get(lo, env.prev) if exceptions else env.prev
+    call = M.Call(M.CALL, actor, env.endpoint, reply_here, lo, env.labels, env.sizes, sender, seq, prev)
+    rt._reorder.push((sender, actor), seq, call, payload, prev)

@@ -62,13 +62,14 @@ def payload_lost(rt: ProcRuntime, env: Envelope, error: Any) -> None:
     lost = [Lost(exc)]
     kind = env.kind
     if kind in _SEQUENCED:
-        rt._reorder.push((env.sender, env.actor), env.seq, env, lost)  # keeps the sender's order: no gap
+        rt._reorder.push((env.sender, env.actor), env.seq, env, lost, env.prev)  # keeps the sender's order: no gap
     elif kind == M.CAST:
         actor, reply, sender = env.actor, env.reply, env.sender
-        for index, address, seq in env.members:
-            if address == rt.address:
-                rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, env.endpoint, reply, index, env.labels, env.sizes, sender, seq), lost)
-            elif reply is not None:
+        lo, seq, exceptions = env.lo, env.seq, env.exceptions
+        prev = exceptions.get(lo, env.prev) if exceptions else env.prev  # the first member is ours
+        rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, env.endpoint, reply, lo, env.labels, env.sizes, sender, seq, prev), lost, prev)
+        if reply is not None:
+            for index in range(lo + 1, lo + len(env.addrs)):
                 rt.reply(reply, index, M.ERROR, error_payload(exc))
         if reply is None:
             log.warning("a broadcast to %s lost its payload: %s", actor, exc)

@@ -48,8 +48,6 @@ BIG_PAYLOAD_BYTES = 1 << 20
 
 PortRef = tuple[str, int]
 ActorRef = tuple[str, str]
-#: One member of a cast: (message index, address, sequence number).
-Member = tuple[int, str, int]
 
 
 class Call(NamedTuple):
@@ -65,6 +63,7 @@ class Call(NamedTuple):
     sizes: tuple[int, ...]
     sender: Optional[str] = None
     seq: Optional[int] = None
+    prev: Optional[int] = None  # the number of ``sender``'s previous message to ``actor``
 
 
 class Reply(NamedTuple):
@@ -110,10 +109,14 @@ class StopActor(NamedTuple):
     slot: int
     sender: Optional[str] = None
     seq: Optional[int] = None
+    prev: Optional[int] = None  # the number of ``sender``'s previous message to ``actor``
 
 
 class Cast(NamedTuple):
-    """A call to many members along a tree: ``members`` is the subtree this node handles."""
+    """A call to many members along a tree. This node's subtree is the members
+    ``lo, lo + 1, ...`` (message indices), at ``addrs`` in that order; the first
+    is this node's own. All take the number ``seq`` and follow ``prev``, except
+    those in ``exceptions`` (index -> their own ``prev``; see _ordering.SeqOut)."""
 
     kind: int
     actor: str
@@ -122,7 +125,11 @@ class Cast(NamedTuple):
     labels: tuple[str, ...]
     sizes: tuple[int, ...]
     sender: str
-    members: tuple[Member, ...]
+    lo: int
+    addrs: tuple[str, ...]
+    seq: int
+    prev: int
+    exceptions: Optional[dict[int, int]]
 
 
 class StopProc(NamedTuple):

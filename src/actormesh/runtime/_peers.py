@@ -212,7 +212,7 @@ def table_sizes(rt: ProcRuntime) -> dict[str, int]:
     return {
         "routes": len(rt._routes),
         "tombstones": len(rt._dead),
-        "seq_out": len(rt.seq_out._counters),
+        "seq_out": len(rt.seq_out),
         "reorder": len(rt._reorder._streams),
         "waiting_on": len(rt._waiting_on),
         "early": len(rt._early),

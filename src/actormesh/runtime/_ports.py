@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PortClosedError, make_actor_error, supervision_error
@@ -71,7 +71,7 @@ class _PortBase:
 class _Abortable:
     """``abort``: the runtime closes, so every reply still owed fails now."""
 
-    _addresses: list[str]
+    _addresses: Sequence[str]
 
     def abort(self, reason: str) -> None:
         for addr in set(self._addresses):
@@ -101,7 +101,8 @@ class GatherPort(_Abortable, _PortBase):
         self.future: Future[Any] = Future._create()
         self._replies: list[Any] = [None] * n
         self._missing = n
-        self._addresses = list(addresses) if expected is None else [""] * n
+        self._addresses: Sequence[str] = list(addresses) if expected is None else ()
+        self._unique: Collection[str] = set(addresses)  # the peers awaited, once each
         self._build = build
         self._lock = threading.Lock()
         if expected is None:
@@ -110,10 +111,12 @@ class GatherPort(_Abortable, _PortBase):
         if n == 0:
             self._finish()
 
-    def await_addresses(self, addresses: Sequence[str]) -> None:
-        """Say which peer owes each reply (for casts whose tree is built after the port)."""
-        self._addresses = list(addresses)
-        for addr in set(addresses):
+    def await_addresses(self, addresses: Sequence[str], unique: Sequence[str] | None = None) -> None:
+        """Say which peer owes each reply (for casts whose tree is built after the port);
+        ``unique``: those peers once each, if the caller knows them (a cast plan does)."""
+        self._addresses = addresses  # read only (peer_lost, abort): no copy per cast
+        self._unique = set(addresses) if unique is None else unique
+        for addr in self._unique:
             self.runtime.await_peer(addr, self)
 
     def deliver(self, env: Reply, payload: Sequence[Segment]) -> None:
@@ -143,7 +146,7 @@ class GatherPort(_Abortable, _PortBase):
 
     def _finish(self) -> None:
         self.close()
-        for addr in set(self._addresses):
+        for addr in self._unique:
             self.runtime.unawait_peer(addr, self)
         replies, what, build, describe = self._replies, self.what, self._build, self._describe
 

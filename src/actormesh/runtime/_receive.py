@@ -103,7 +103,7 @@ class Receiving(Verbs):
             if handler is not None:
                 handler.deliver(env, payload)
         elif kind in _SEQUENCED:
-            self._reorder.push((env.sender, env.actor), env.seq, env, payload)
+            self._reorder.push((env.sender, env.actor), env.seq, env, payload, env.prev)
         elif kind == M.SPAWN:
             if self.on_spawn is not None:
                 self.on_spawn(env, payload)

@@ -5,8 +5,9 @@ re-addressing a ``Cast`` (_cast.py) and the stand-ins for a message whose payloa
 was lost (_lost.py) build messages.
 
 Ordering lives here too: a message to an actor (``Call``, ``StopActor``, each member
-of a ``Cast``) is numbered per destination actor as it leaves, so the destination
-releases one sender's messages in send order whatever path they took (_ordering.py).
+of a ``Cast``) is numbered as it leaves, chained per destination actor, so the
+destination releases one sender's messages in send order whatever path they
+took (_ordering.py).
 A peer already known dead gets no number: the message fails its reply port at once.
 """
 
@@ -17,12 +18,15 @@ from typing import Any
 
 from ..transport import Segment
 from . import _messages as M
-from ._cast import split
+from ._cast import CastPlan
 from ._messages import ActorRef, PortRef
 from ._ordering import SeqOut
 from ._routes import LocalRoute, Route, order_key
 
 __all__ = ["Verbs"]
+
+#: ``(seq, prev)`` of a message to a peer known dead: it fails its port at once, unread.
+_UNNUMBERED: tuple[None, None] = (None, None)
 
 
 class Verbs:
@@ -51,31 +55,38 @@ class Verbs:
         r = self._routes.get(address)
         if r is None:
             r = self.route(address)
-        seq = self.seq_out.next(address, actor) if r.dead is None else None
+        seq, prev = self.seq_out.next(address, actor) if r.dead is None else _UNNUMBERED
         # The hottest path: the wire form of an M.Call, the plain tuple, with no NamedTuple
         # copy on the way (the receiver's decode gives it its type; see messages.typed).
-        r.send((M.CALL, actor, endpoint, reply, index, labels, sizes, self.address, seq), payload, actor)
+        r.send((M.CALL, actor, endpoint, reply, index, labels, sizes, self.address, seq, prev), payload, actor)
 
     def cast(self, actor: str, endpoint: str, reply: PortRef | None, labels: tuple[str, ...], sizes: tuple[int, ...],
-             addresses: Sequence[str], payload: Sequence[Segment], fanout: int) -> list[str]:
-        """Call ``endpoint`` of ``actor`` on every member, member ``i`` at ``addresses[i]``,
-        along a tree of at most ``fanout`` children per node (see _cast.py). Returns,
-        per member, the address of the subtree root that owes its reply."""
-        owed = [""] * len(addresses)
-        nxt = self.seq_out.next
-        for chunk in split(range(len(addresses)), fanout):
-            root = addresses[chunk[0]]
+             plan: CastPlan, payload: Sequence[Segment], whole: bool) -> None:
+        """Call ``endpoint`` of ``actor`` on every member of ``plan`` (member ``i`` at
+        ``plan.addresses[i]``) along a tree (see _cast.py); ``plan.owed[i]`` is the
+        subtree root that owes reply ``i``. ``whole``: the plan covers every member of
+        ``actor``, which numbers the cast in O(1) (see _ordering.SeqOut, rule 3).
+
+        The sender's work is O(fanout) sends plus O(members that got a message since the
+        last whole cast); a cast to a slice also numbers each of its members (rule 4)."""
+        routes = []
+        for root in plan.roots:
             r = self._routes.get(root)
-            if r is None:
-                r = self.route(root)
-            # Numbered as they leave: the same sequence as direct calls. A dead root gets
-            # no numbers (0): the cast fails at once, its port waits on that root.
-            live = r.dead is None
-            members = tuple((i, addresses[i], nxt(addresses[i], actor) if live else 0) for i in chunk)
-            for i in chunk:
-                owed[i] = root
-            r.send(M.Cast(M.CAST, actor, endpoint, reply, labels, sizes, self.address, members), payload, actor)
-        return owed
+            routes.append(r if r is not None else self.route(root))
+        # A dead root's subtree gets no numbers: its members keep their chains, and the
+        # message fails its port at once (the port waits on that root).
+        dead = [c for c, r in enumerate(routes) if r.dead is not None]
+        chunks = plan.chunks
+        if whole:
+            t, prev, exceptions = self.seq_out.cast_all(actor, plan.addresses, [a for c in dead for a in chunks[c][1]])
+        else:
+            live = [a for c, (_, sub) in enumerate(chunks) if c not in dead for a in sub] if dead else plan.addresses
+            t, prev, exceptions = self.seq_out.cast_some(actor, live)
+        per_chunk = plan.exceptions_by_chunk(exceptions) if exceptions else None
+        sender = self.address
+        for c, (lo, sub) in enumerate(chunks):
+            exc = per_chunk[c] if per_chunk is not None else None
+            routes[c].send(M.Cast(M.CAST, actor, endpoint, reply, labels, sizes, sender, lo, sub, t, prev, exc), payload, actor)
 
     def spawn_actor(self, address: str, actor: str, rank: int, labels: tuple[str, ...], sizes: tuple[int, ...],
                     owner: ActorRef | None, reply: PortRef | None, display: str, is_async: bool,
@@ -89,8 +100,8 @@ class Verbs:
         r = self._routes.get(address)
         if r is None:
             r = self.route(address)
-        seq = self.seq_out.next(address, actor) if r.dead is None else None
-        r.send(M.StopActor(M.STOP_ACTOR, actor, reply, index, self.address, seq), (), actor)
+        seq, prev = self.seq_out.next(address, actor) if r.dead is None else _UNNUMBERED
+        r.send(M.StopActor(M.STOP_ACTOR, actor, reply, index, self.address, seq, prev), (), actor)
 
     def stop_proc(self, address: str, reply: PortRef | None = None) -> None:
         """Ask the process at ``address`` to exit."""
