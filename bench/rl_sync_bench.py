@@ -6,22 +6,24 @@ A Llama of about 100M parameters (fp32; hidden 768, 12 layers, vocabulary
 trainer's current weights into both replicas (checked, staged, swapped
 between decode steps). Contenders, best of ``--rounds``, in one run:
 
-1. ``rdma``: ``publish_weights(trainer)`` (each trainer rank copies its FSDP
-   shards into the older of its two RDMA buffers; nothing is gathered) and
+1. ``rdma``: ``publish_weights(trainer)`` (each trainer rank publishes its
+   FSDP shards in place: its parameters' memory, registered once, guarded
+   by a change counter; nothing is gathered or copied) and
    ``update_weights(published)``: each replica checks the layout, reads both
-   ranks' shards straight into the rows of its spare parameter set and swaps
-   it in between two steps (no copy);
+   ranks' shards straight into the rows of its spare parameter set (one
+   scatter copy per trainer rank) and swaps it in between two steps (no copy);
 2. ``controller``: ``gather_state_dict(trainer)`` into the controller, then
    ``update_weights(state_dict)``, which sends the tensors to each replica in
    ordinary messages;
 3. ``memcpy``: one ``copy_`` of the same bytes in the controller (the floor a
    sync into one replica could reach, were it free of everything else).
 
-Ratios: rdma / memcpy (goal <= 3x: note rdma moves the bytes three times,
-into the trainer's buffer and into each of 2 replicas) and controller / rdma
-(goal >= 5x). Timings are from the second round on (the first one allocates
-and faults in the buffers and spare sets, which later rounds reuse; it is
-reported as ``rdma: first sync``). Writes bench/results/rl_sync.json.
+Ratios: rdma / memcpy (goal <= 3x: note rdma moves the bytes twice, into
+each of 2 replicas; three times where a trainer rank must copy its pieces
+into a buffer first) and controller / rdma (goal >= 5x). Timings are from
+the second round on (the first one registers the parameters, collapsing
+them into huge pages, and allocates and faults in the replicas' spare sets,
+which later rounds reuse; it is reported as ``rdma: first sync``). Writes bench/results/rl_sync.json.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def main() -> None:
         for version in range(1, args.rounds + 1):
             t0 = time.perf_counter()
             published = publish_weights(trainer, version, timeout=600)
-            record("rdma: publish (each rank copies its shards into its buffer)", time.perf_counter() - t0)
+            record("rdma: publish (each rank names its registered shards)", time.perf_counter() - t0)
             t1 = time.perf_counter()
             to_all(published)
             record("rdma: replicas check, read into place, swap", time.perf_counter() - t1)

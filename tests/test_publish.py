@@ -13,8 +13,8 @@ import torch
 
 from actormesh.actor import Actor, endpoint
 from actormesh.parallel import PublishedWeights, WeightStaging
-from actormesh.parallel._publish import Publisher
-from actormesh.rdma import BufferDroppedError, RDMABuffer
+from actormesh.parallel._publisher import Publisher
+from actormesh.rdma import BufferDroppedError, RDMABuffer, read_scattered
 
 
 class Holder(Actor):
@@ -45,6 +45,26 @@ def test_read_ranges_scatters_one_buffer_into_many_tensors(spawn_procs: Any, mon
         buf.read_ranges([(nbytes - 2, torch.empty(3, dtype=torch.uint8))])
     with pytest.raises(ValueError, match="read-only"):
         buf.read_ranges([(0, memoryview(bytes(4)))])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["vm", "shm", "tcp"])
+def test_read_scattered_reads_many_buffers_as_one_transfer(spawn_procs: Any, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    holder = spawn_procs(per_host={"gpus": 1}).spawn("holder", Holder)
+    sizes = [(2 << 20) + 1, 5, 3 << 10]
+    bufs = [holder.make.call_one(n).get(timeout=30) for n in sizes]
+    monkeypatch.setenv("ACTORMESH_RDMA_BACKEND", backend)
+    reads = [(bufs[0], 1, torch.empty(2 << 20, dtype=torch.uint8)), (bufs[1], 0, torch.empty(5, dtype=torch.uint8)),
+             (bufs[2], 100, torch.empty(7, dtype=torch.uint8)), (bufs[0], 0, torch.empty(2, dtype=torch.uint8))]
+    read_scattered(reads, timeout=30).get(timeout=40)
+    for buf, offset, dst in reads:
+        expected = torch.arange(buf.size(), dtype=torch.int64).remainder(251).to(torch.uint8)
+        assert torch.equal(dst, expected[offset:offset + dst.numel()]) and buf.backend == backend
+    with pytest.raises(ValueError, match="outside"):
+        read_scattered([(bufs[1], 1, torch.empty(5, dtype=torch.uint8))])
+    bufs[2].drop().get(timeout=10)
+    with pytest.raises(BufferDroppedError):  # one dropped buffer fails the whole read, naming it
+        read_scattered([(bufs[1], 0, torch.empty(5, dtype=torch.uint8)), (bufs[2], 0, torch.empty(5, dtype=torch.uint8))]).get(timeout=10)
 
 
 def publish(publisher: Publisher, version: int, state: dict[str, Any]) -> PublishedWeights:

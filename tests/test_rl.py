@@ -154,13 +154,31 @@ def test_published_weights_are_read_from_the_trainer_under_fsdp(spawn_procs: Any
     assert isinstance(published, PublishedWeights) and len(published.parts) == 2
     import pickle
 
-    assert len(pickle.dumps(published)) < 4096  # handles and layout only: the bytes stay in the trainer
+    pieces = sum(len(layout) for _, layout in published.parts)
+    assert len(pickle.dumps(published)) < 400 * pieces  # a handle and a layout entry per piece: the bytes stay in the trainer
     full = gather_state_dict(trainer)
     fetched = published.fetch()
     assert sorted(fetched) == sorted(full) == sorted(published.keys())
     assert all(torch.equal(fetched[k], full[k]) for k in full)
     total = sum(t.numel() * t.element_size() for t in full.values())
-    assert total <= published.nbytes < total * 1.1 and all(buf.size() < 0.6 * total for buf, _ in published.parts)
+    assert total <= published.nbytes < total * 1.1 and all(source.size() < 0.6 * total for source, _ in published.parts)
+    # published in place (FSDP2 local shards on CPU): an optimizer step is a change of the published weights
+    samples = [Sample([26, 3], [4, 5], [-1.0, -2.0], 0, advantage=1.0), Sample([26, 7], [8, 9], [-0.5, -1.5], 0, advantage=-1.0)]
+    trainer.step.call(pack_batch(samples)).get(timeout=60)
+    stepped = gather_state_dict(trainer)
+    assert not all(torch.equal(stepped[k], full[k]) for k in full)
+    from actormesh.rdma import BufferDroppedError
+
+    with pytest.raises(BufferDroppedError, match="changed the weights after publishing them"):
+        published.read_into({k: torch.empty_like(v) for k, v in full.items()})  # version 1 exactly: gone
+    # a replica built later (it holds version 1's handle) reads the trainer's weights as they are now, whole
+    fetched = published.fetch()
+    assert all(torch.equal(fetched[k], stepped[k]) for k in full)
+    again = publish_weights(trainer, version=2)
+    def registrations(weights: PublishedWeights) -> list[int]:
+        return [b._handle.reg_id for source, _ in weights.parts for b in source.buffers if b is not None]
+
+    assert again.stamps == (2, 2) and registrations(again) == registrations(published)  # registered once, reused
 
 
 def trainer_pid(loop: GRPOLoop, rank: int) -> int:

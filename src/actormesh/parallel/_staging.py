@@ -65,7 +65,7 @@ class WeightStaging:
         source = {id(t): name for name, t in meta.items()}
         targets = weight_targets(self.chunks, meta)
         if any(id(src) not in source for _, src, _ in targets):  # a tied head copied by the renaming
-            return weights.fetch(timeout_s)
+            return weights.fetch(timeout_s, latest=False)
         with self._lock:
             spare, self._spare = self._spare, {}
         dests: dict[str, Any] = {}  # by published name

@@ -25,6 +25,7 @@ from ._pipeline import cut_to_stage, stage_ids
 from ._train_checkpoint import load_checkpoint, save_checkpoint
 from ._plan import Plan
 from ._publish import PublishedWeights
+from ._publisher import Publisher, changing
 from ._train_data import DataFactory, RankData
 from ._train_figures import StepFigures, state_bytes
 from ._train_options import TrainOptions
@@ -64,6 +65,7 @@ class Trainer(Actor):
         self.steps = 0
         self.device: Any = None
         self.owns_process_group = False
+        self._publisher: Publisher | None = None  #: made by the first publish_weights
 
     # ------------------------------------------------------------------ setup
 
@@ -200,17 +202,19 @@ class Trainer(Actor):
         x, y = self._local_batch(batch)
         autocast = precision_context(opts, plan, self.device)
         loss: float | None
-        if self.schedule is None:
-            loss = forward_backward(self.chunks[0], self.loss_fn, x, y, accum, autocast, plan.uses_ddp)
-        else:
-            loss = pipeline_step(self.schedule, self.stages, x, y, accum, autocast, pipeline_loss_scale(plan, accum))
+        with changing(self._publisher, forward=True):  # published buffers a forward pass may update (none: nothing)
+            if self.schedule is None:
+                loss = forward_backward(self.chunks[0], self.loss_fn, x, y, accum, autocast, plan.uses_ddp)
+            else:
+                loss = pipeline_step(self.schedule, self.stages, x, y, accum, autocast, pipeline_loss_scale(plan, accum))
         params = [p for chunk in self.chunks for p in chunk.parameters()]
         pp_group = self.mesh["pp"].get_group() if plan.pp > 1 else None
         grad_norm = clip_grad_norm(params, opts.max_grad_norm, pp_group, self.device)
         lr = float(self.optimizers[0].param_groups[0]["lr"])
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        with changing(self._publisher):  # readers of the published weights wait or fail, never mix (see _live)
+            for opt in self.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
         for sched in self.schedulers:
             sched.step()
         self.steps += 1
@@ -232,7 +236,8 @@ class Trainer(Actor):
         Raises CheckpointMismatch, naming the first differing key, for a checkpoint of another model.
         The rank-side data resumes at the saved position.
         """
-        self.steps, position = load_checkpoint(path, self.chunks, self.optimizers, self.schedulers, self.shapes)
+        with changing(self._publisher):
+            self.steps, position = load_checkpoint(path, self.chunks, self.optimizers, self.schedulers, self.shapes)
         if self.data is not None:
             self.data.seek(position)
         return self.steps
@@ -256,20 +261,22 @@ class Trainer(Actor):
 
     @endpoint
     def publish_weights(self) -> Any:
-        """This rank's pieces of the weights (its shards; plain tensors on data-parallel rank 0),
-        copied into one of its two RDMA buffers: ``(buffer, layout, stamp)`` or None. See :func:`publish_weights`."""
-        from ._publish import Publisher
+        """This rank's pieces of the weights (its shards; plain tensors on data-parallel rank 0), in place or
+        copied (see _publisher): ``(source, layout, stamp)`` or None. See :func:`publish_weights`."""
+        from ._live import ChangeCounter
 
-        publisher = self.__dict__.setdefault("_publisher", Publisher())
-        return publisher.publish_chunks(self.chunks, first_copy=not (self.dp_rank or self.tp_rank))
+        if self._publisher is None:  # from now on every change of the weights moves the counter
+            self._publisher = Publisher(ChangeCounter())
+        return self._publisher.publish_chunks(self.chunks, first_copy=not (self.dp_rank or self.tp_rank))
 
     @endpoint
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load full model weights (e.g. from :func:`gather_state_dict` or a single-process model)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        for chunk in self.chunks:
-            set_model_state_dict(chunk, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        with changing(self._publisher):
+            for chunk in self.chunks:
+                set_model_state_dict(chunk, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     @endpoint
     def info(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ Example::
 from ._action import RDMAAction
 from ._backends import Backend, BufferHandle, register_backend
 from ._buffer import RDMABuffer, get_rdma_backend, is_ibverbs_available, is_rdma_available, same_host_backend
+from ._scatter import read_scattered
 from ._errors import (
     BufferDroppedError,
     OwnerGoneError,
@@ -31,6 +32,7 @@ from ._errors import (
 __all__ = [
     "RDMABuffer",
     "RDMAAction",
+    "read_scattered",
     "get_rdma_backend",
     "same_host_backend",
     "is_rdma_available",

@@ -202,6 +202,20 @@ class VmBackend:
     def write(self, handle: BufferHandle, offset: int, local: int, nbytes: int, deadline: float) -> None:
         self._copy(handle, offset, local, nbytes, write=True)
 
+    def read_scattered(self, reads: list[tuple[BufferHandle, list[tuple[int, int, int]]]], deadline: float) -> None:
+        """``(handle, [(offset, local, nbytes)])`` reads from several buffers of one owner process in one
+        scatter list; every registration is checked before the copy and after it (a drop may have torn it)."""
+        handles = list({h.reg_id: h for h, _ in reads}.values())
+        for h in handles:
+            self._check_slot(h)
+        pairs = [(local, h.address + offset, n) for h, ranges in reads for offset, local, n in ranges]
+        try:
+            vm_copy_many(handles[0].pid, pairs, write=False, chunk=chunk_bytes(1 << 30), on_chunk=_progress(self.name))
+        except OSError as exc:
+            self._raise(handles[0], exc)
+        for h in handles:
+            self._check_slot(h)
+
 
 def read_many(backend: Backend, handle: BufferHandle, ranges: list[tuple[int, int, int]], deadline: float) -> None:
     """``(offset, local, nbytes)`` reads through ``backend``: its own ``read_many`` when it has one

@@ -232,14 +232,7 @@ class RDMABuffer:
         Raises ValueError at once for a range outside the buffer or a
         read-only or non-CPU ``dst``; the future fails as ``read_into``'s does.
         """
-        regions = []
-        for offset, dst in ranges:
-            local = region_of(dst, role="dst", allow_empty=True)
-            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + local.nbytes > self.size():
-                raise ValueError(f"range at offset {offset!r} of {local.nbytes} bytes is outside the RDMA buffer of {self.size()} bytes")
-            if local.readonly or not local.is_cpu:
-                raise ValueError(f"read_ranges needs writable CPU memory, got {'read-only' if local.readonly else local.device} dst")
-            regions.append((offset, local))
+        regions = self._check_ranges(ranges)
         deadline = time.monotonic() + _check_timeout(timeout)
         if self._dropped:
             return self._dropped_here()
@@ -250,6 +243,18 @@ class RDMABuffer:
                 return Future._failed(exc)
             return Future._completed(None)
         return submit(lambda: self._transfer_ranges(regions, deadline))
+
+    def _check_ranges(self, ranges: Sequence[tuple[int, Any]]) -> list[tuple[int, Region]]:
+        """``(offset, dst)`` ranges as ``(offset, Region)``; ValueError for one outside the buffer or a bad ``dst``."""
+        regions = []
+        for offset, dst in ranges:
+            local = region_of(dst, role="dst", allow_empty=True)
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + local.nbytes > self.size():
+                raise ValueError(f"range at offset {offset!r} of {local.nbytes} bytes is outside the RDMA buffer of {self.size()} bytes")
+            if local.readonly or not local.is_cpu:
+                raise ValueError(f"read_ranges needs writable CPU memory, got {'read-only' if local.readonly else local.device} dst")
+            regions.append((offset, local))
+        return regions
 
     def _transfer_ranges(self, regions: list[tuple[int, Region]], deadline: float) -> None:
         ranges = [(offset, local.address, local.nbytes) for offset, local in regions if local.nbytes]
