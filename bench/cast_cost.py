@@ -14,6 +14,7 @@ times the wall time of the casts):
   has run); the flush's own cost, timed alone, is taken off.
 * ``gather_us``: ``mesh.noop.call().get()``, one after the other.
 * ``*_caller_us``: the same, the caller's thread only (``time.thread_time``).
+* ``gather_wall_us``: wall time per ``call().get()`` (the tree's latency, for reference).
 
 Each figure is the median of ``--rounds`` rounds. The last row is the ratio of
 the largest size to the smallest: with the tree's fan-out at its default (16),
@@ -47,17 +48,18 @@ def _idle_rate(seconds: float) -> float:
     return (time.process_time() - c0) / (time.perf_counter() - w0)
 
 
-def _per_call(ep: Any, n: int, idle: float) -> tuple[float, float]:
-    """Controller CPU (process less its idle rate, caller thread) per ``call().get()``, in seconds."""
+def _per_call(ep: Any, n: int, idle: float) -> tuple[float, float, float]:
+    """Controller CPU (process less its idle rate, caller thread) and wall time per ``call().get()``, in seconds."""
     p0, t0 = _cpu()
     w0 = time.perf_counter()
     for _ in range(n):
         ep.call().get(timeout=GET_TIMEOUT_S)
     p1, t1 = _cpu()
-    return (p1 - p0 - idle * (time.perf_counter() - w0)) / n, (t1 - t0) / n
+    wall = time.perf_counter() - w0
+    return (p1 - p0 - idle * wall) / n, (t1 - t0) / n, wall / n
 
 
-def _per_broadcast(ep: Any, n: int, idle: float, flush: tuple[float, float]) -> tuple[float, float]:
+def _per_broadcast(ep: Any, n: int, idle: float, flush: tuple[float, ...]) -> tuple[float, float]:
     """Controller CPU per ``broadcast()``, the final flushing call's cost taken off."""
     p0, t0 = _cpu()
     w0 = time.perf_counter()
@@ -75,7 +77,7 @@ def measure(n_procs: int, casts: int, rounds: int) -> dict[str, Any]:
         ep = procs.spawn("cast_cost", Noop).noop
         ep.call().get(timeout=GET_TIMEOUT_S * 4)
         _per_call(ep, 50, 0.0)  # warm-up: connections, caches
-        _per_broadcast(ep, 50, 0.0, (0.0, 0.0))
+        _per_broadcast(ep, 50, 0.0, (0.0, 0.0, 0.0))
         idle = _idle_rate(2.0)
         gathers, bcasts = [], []
         for _ in range(rounds):
@@ -88,6 +90,7 @@ def measure(n_procs: int, casts: int, rounds: int) -> dict[str, Any]:
             "bcast_caller_us": round(med(bcasts, 1), 1),
             "gather_us": round(med(gathers, 0), 1),
             "gather_caller_us": round(med(gathers, 1), 1),
+            "gather_wall_us": round(med(gathers, 2), 1),
             "idle_cpu_pct": round(idle * 100, 2),
         }
     finally:
@@ -98,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--casts", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cast_cost.json")
     args = ap.parse_args()
     rows = []

@@ -21,16 +21,33 @@ from . import _messages as M
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
 
-__all__ = ["split", "ranges", "CastPlan", "handle_cast", "RelayPort", "tree_stats"]
+__all__ = ["split", "ranges", "width", "CastPlan", "handle_cast", "RelayPort", "tree_stats"]
 
 T = TypeVar("T")
 
 
+def width(n: int, fanout: int) -> int:
+    """How many subtrees ``n`` members are cut into: the fewest that keep the tree
+    as shallow as ``fanout`` allows. With ``d`` the least depth such that
+    ``fanout ** d >= n``, the least ``k`` with ``k ** d >= n`` (at most ``fanout``).
+    So 64 members under fan-out 16 make 8 subtrees of 8, not 16 of 4: two levels
+    either way, and the sender, the controller most of all, sends half the messages."""
+    if n <= fanout or fanout < 2:
+        return min(n, max(1, fanout))
+    depth, reach = 1, fanout
+    while reach < n:
+        depth, reach = depth + 1, reach * fanout
+    k = max(2, int(round(n ** (1.0 / depth))) - 1)
+    while k**depth < n:
+        k += 1
+    return min(k, fanout)
+
+
 def ranges(n: int, fanout: int) -> list[tuple[int, int]]:
-    """Cut ``0..n-1`` into at most ``fanout`` contiguous, near-equal ``[lo, hi)`` ranges."""
+    """Cut ``0..n-1`` into :func:`width` contiguous, near-equal ``[lo, hi)`` ranges."""
     if n <= 0:
         return []
-    k = min(fanout, n)
+    k = width(n, max(1, fanout))
     base, extra = divmod(n, k)
     out, pos = [], 0
     for c in range(k):

@@ -91,16 +91,20 @@ class SeqOut:
 
     def next(self, address: str, actor: str) -> tuple[int, int]:
         """``(number, prev)`` for one message to ``actor`` at ``address`` (rule 2)."""
-        with self._lock:
-            s = self._mesh(actor)
+        with self._lock:  # number and chain must move together (two threads, one member)
+            s = self._meshes.get(actor)
+            if s is None:
+                s = self._meshes[actor] = _MeshNumbers()
             t = s.next
             s.next = t + 1
             since = s.since
-            prev = since.get(address, s.last_all)
+            prev = since.get(address)
+            if prev is None:  # its first message since the last whole cast
+                prev = s.last_all
+                s.members.add(address)
+            elif prev < 0 and s.gone:
+                s.gone.discard(address)  # forgotten, and back (a revived peer): a member again
             since[address] = t
-            s.members.add(address)
-            if s.gone:
-                s.gone.discard(address)  # back (a revived peer): it counts as a member again
         return t, prev
 
     def cast_all(self, actor: str, members: tuple[str, ...], skipped: Sequence[str] = ()) -> tuple[int, int, dict[str, int]]:
