@@ -106,7 +106,10 @@ def test_a_broadcast_to_4096_members_costs_the_controller_16_sends_and_no_work_p
     assert len(capture.sent) == 16 and all(env[0] == M.CAST for env in capture.sent)
     assert counting.counts == {"cast_all": 1}  # one number for the whole mesh; no rank lookups
     casts = [M.typed(env) for env in capture.sent]
-    assert sum(len(c.addrs) for c in casts) == 4096 and {c.seq for c in casts} == {1} and {c.prev for c in casts} == {0}
+    assert {c.seq for c in casts} == {1} and {c.prev for c in casts} == {0}
+    # The subtrees' addresses went with the first cast; now each root is named its table.
+    assert all(c.addrs is None for c in casts) and sum(c.table[1] for c in casts) == 4096
+    assert sum(len(M.encode(env)) for env in capture.sent) < 16 * 200  # bytes: O(fanout), not O(members)
 
 
 def test_the_controller_makes_as_many_calls_per_cast_on_4096_members_as_on_256(sim):
@@ -138,3 +141,40 @@ def test_a_direct_call_costs_one_exception_in_the_next_whole_cast_only(sim, monk
     assert all(c.exceptions is None and c.prev == 2 for c in second)
     assert counting.counts == {"next": 1, "cast_all": 2, "rank_at": 1}  # the one rank lookup is call_one's
 
+
+
+class _Conn:
+    pass
+
+
+def test_a_subtree_root_gets_its_addresses_once_per_connection(sim):
+    rt, capture, make = sim
+    mesh = make(64)
+    capture.conn = _Conn()  # type: ignore[attr-defined]
+    mesh.step.broadcast(0)
+    mesh.step.broadcast(1)
+    capture.conn = _Conn()  # type: ignore[attr-defined]  # the route reconnected: the root may be new
+    mesh.step.broadcast(2)
+    capture.conn = None  # type: ignore[attr-defined]  # dialling: nothing known to have arrived
+    mesh.step.broadcast(3)
+    mesh.step.broadcast(4)
+    casts = [M.typed(env) for env in capture.sent]
+    sent = [[c.addrs is not None for c in casts[k : k + 8]] for k in range(0, len(casts), 8)]
+    assert sent == [[True] * 8, [False] * 8, [True] * 8, [True] * 8, [True] * 8]
+    assert len({c.table for c in casts}) == 8  # one table per subtree, the same every time
+
+
+def test_a_root_keeps_a_table_per_sender_and_fails_a_subtree_whose_table_it_lacks():
+    from actormesh.runtime._cast import CastTables, subtree_addresses
+
+    class _Root:
+        def __init__(self) -> None:
+            self.cast_tables = CastTables()
+
+    root = _Root()
+    first = M.Cast(M.CAST, "a", "step", None, (), (), "ctl", 4, ("p4", "p5"), (7, 2), 0, -1, None)
+    assert subtree_addresses(root, first) == ("p4", "p5")  # type: ignore[arg-type]
+    assert subtree_addresses(root, first._replace(addrs=None)) == ("p4", "p5")  # type: ignore[arg-type]
+    assert subtree_addresses(root, first._replace(addrs=None, sender="other")) is None  # type: ignore[arg-type]
+    root.cast_tables.forget("ctl")
+    assert subtree_addresses(root, first._replace(addrs=None)) is None  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from actormesh.runtime import CastPlan
 from actormesh.runtime import messages as M
-from actormesh.runtime._cast import handle_cast
+from actormesh.runtime._cast import CastTables, handle_cast
 from actormesh.runtime._ordering import ReorderBuffer, SeqOut
 
 SENDER = "ctl"
@@ -35,12 +35,16 @@ class _Node:
         self.buffer = ReorderBuffer(gap_timeout_s=1.0)
         self.released: list[Any] = []
         self._reorder = self
+        self.cast_tables = CastTables()
 
     def push(self, stream: Any, seq: int, env: Any, payload: Any, prev: int | None = None) -> None:
         self.released.extend(self.buffer.push(stream, seq, env, now=0.0, prev=prev))
 
     def send(self, address: str, env: Any, payload: Any) -> None:
         self.net.flight.append((address, env))
+
+    def reply(self, port: Any, index: int, status: int, payload: Any) -> None:
+        self.net.replies.append((index, status))
 
 
 class _Net:
@@ -52,6 +56,7 @@ class _Net:
         self.flight: list[tuple[str, Any]] = []
         self.seq_out = SeqOut()
         self.sent: dict[str, list[str]] = {a: [] for a in self.addresses}  # per member, in send order
+        self.replies: list[tuple[int, int]] = []
 
     def call(self, i: int, tag: str) -> None:
         addr = self.addresses[i]
@@ -68,7 +73,7 @@ class _Net:
             t, prev, exc = self.seq_out.cast_some(ACTOR, plan.addresses)
         per_chunk = plan.exceptions_by_chunk(exc) if exc else None
         for c, (lo, sub) in enumerate(plan.chunks):
-            env = M.Cast(M.CAST, ACTOR, tag, None, (), (), SENDER, lo, sub, t, prev, per_chunk[c] if per_chunk else None)
+            env = M.Cast(M.CAST, ACTOR, tag, None, (), (), SENDER, lo, sub, None, t, prev, per_chunk[c] if per_chunk else None)
             self.flight.append((sub[0], env))
         for i in indices:
             self.sent[self.addresses[i]].append(tag)
@@ -97,6 +102,27 @@ def test_a_direct_call_then_a_cast_then_a_call_keep_their_order_whatever_arrives
     got = net.received()
     assert got["p3"] == ["first", "cast", "last"]
     assert all(got[a] == ["cast"] for a in net.addresses if a != "p3")
+
+
+def test_a_root_without_the_table_a_cast_names_fails_its_whole_subtree_and_delivers_nothing():
+    net = _Net(8)
+    env = M.Cast(M.CAST, ACTOR, "x", ("ctl", 1), (), (), SENDER, 2, None, (99, 3), 0, -1, None)
+    handle_cast(net.nodes["p2"], env, [b""])  # type: ignore[arg-type]
+    assert net.replies == [(2, M.SUPERVISION), (3, M.SUPERVISION), (4, M.SUPERVISION)]
+    assert net.flight == [] and net.nodes["p2"].released == []
+
+
+def test_a_cast_whose_payload_was_lost_fails_its_subtree_in_turn_and_keeps_its_table():
+    from actormesh.runtime._lost import payload_lost
+
+    net = _Net(8)
+    node = net.nodes["p2"]
+    node.name, node.pid = "p2", 0  # type: ignore[attr-defined]
+    env = M.Cast(M.CAST, ACTOR, "x", ("ctl", 1), (), (), SENDER, 2, ("p2", "p3", "p4"), (5, 3), 0, -1, None)
+    payload_lost(node, env, MemoryError("no memory"))  # type: ignore[arg-type]
+    assert [e.member for e in node.released] == [2]  # our member fails in its turn (its reply: an error)
+    assert net.replies == [(3, M.ERROR), (4, M.ERROR)]
+    assert node.cast_tables.get(SENDER, 5) == ("p2", "p3", "p4")
 
 
 def test_a_whole_cast_carries_one_number_and_exceptions_only_for_members_called_since():

@@ -14,7 +14,7 @@ EXAMPLES = [
     M.ReplyMulti(M.REPLY_MULTI, 7, ((0, M.OK, 1), (1, M.ERROR, 1)), "unix:/tmp/w.sock"),
     M.Spawn(M.SPAWN, "counter-1a2b", 0, ("gpus",), (4,), ("unix:/tmp/c.sock", "client"), ("unix:/tmp/c.sock", 2), "<counter>", False),
     M.StopActor(M.STOP_ACTOR, "counter-1a2b", None, 0, "unix:/tmp/c.sock", 42, 41),
-    M.Cast(M.CAST, "counter-1a2b", "incr", None, ("gpus",), (4,), "unix:/tmp/c.sock", 0, ("unix:/tmp/w.sock",), 5, 4, {0: 2}),
+    M.Cast(M.CAST, "counter-1a2b", "incr", None, ("gpus",), (4,), "unix:/tmp/c.sock", 0, ("unix:/tmp/w.sock",), (3, 1), 5, 4, {0: 2}),
     M.StopProc(M.STOP_PROC, None),
     M.Hello(M.HELLO, "unix:/tmp/w.sock", 123, None, M.RESTART),
     M.Failure(M.FAILURE, "client", "counter-1a2b", 2, "boom", "<counter 2>", "unix:/tmp/w.sock"),

@@ -10,7 +10,10 @@ peer), so no caller waits forever.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
+from collections import OrderedDict
 from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,9 +24,17 @@ from . import _messages as M
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
 
-__all__ = ["split", "ranges", "width", "CastPlan", "handle_cast", "RelayPort", "tree_stats"]
+__all__ = ["split", "ranges", "width", "CastPlan", "CastTables", "subtree_addresses", "handle_cast", "RelayPort", "tree_stats"]
+
+log = logging.getLogger("actormesh.cast")
 
 T = TypeVar("T")
+
+#: Table ids, unique in this process (a plan made again gets new ones).
+_table_ids = itertools.count()
+#: Tables a subtree root keeps per sender: well above the plans a sender keeps
+#: (mesh._views: 256), so a table is dropped here only after its sender dropped its plan.
+MAX_TABLES_PER_SENDER = 1024
 
 
 def width(n: int, fanout: int) -> int:
@@ -70,7 +81,7 @@ class CastPlan:
     as a tuple made here, and no work per member (see Verbs.cast).
     """
 
-    __slots__ = ("addresses", "chunks", "roots", "owed", "_los", "_index_of")
+    __slots__ = ("addresses", "chunks", "roots", "owed", "tables", "sent_on", "_los", "_index_of")
 
     def __init__(self, addresses: Sequence[str], fanout: int) -> None:
         addrs = tuple(addresses)
@@ -78,6 +89,11 @@ class CastPlan:
         #: ``(lo, addresses of members lo, lo + 1, ...)`` per subtree; the first address is its root.
         self.chunks = [(lo, addrs[lo:hi]) for lo, hi in ranges(len(addrs), fanout)]
         self.roots = tuple(sub[0] for _, sub in self.chunks)
+        #: Per subtree, ``(table id, size)``: its root keeps the subtree's addresses under that id.
+        self.tables = [(next(_table_ids), len(sub)) for _, sub in self.chunks]
+        #: Per subtree, what carried its addresses to its root (a connection, whose frames
+        #: arrive in order): while the route still uses it, casts name the table only.
+        self.sent_on: list[object] = [None] * len(self.chunks)
         #: Per member, the address of the subtree root that owes its reply.
         self.owed = tuple(root for (_, sub), root in zip(self.chunks, self.roots) for _ in sub)
         self._los = [lo for lo, _ in self.chunks]
@@ -127,6 +143,55 @@ def tree_stats(n: int, fanout: int) -> dict[str, Any]:
         "total_messages": sum(sends.values()),
         "depth": depth,
     }
+
+
+class CastTables:
+    """A subtree root's copy of each sender's subtree addresses, by table id, so a
+    cast names its subtree in O(1) bytes (loop thread only). Bounded per sender
+    (least recently used goes first); a sender's tables go when it does."""
+
+    def __init__(self) -> None:
+        self._by_sender: dict[str, OrderedDict[int, tuple[str, ...]]] = {}
+
+    def put(self, sender: str, table: int, addrs: tuple[str, ...]) -> None:
+        tables = self._by_sender.get(sender)
+        if tables is None:
+            tables = self._by_sender[sender] = OrderedDict()
+        tables[table] = addrs
+        tables.move_to_end(table)
+        if len(tables) > MAX_TABLES_PER_SENDER:
+            tables.popitem(last=False)
+
+    def get(self, sender: str, table: int) -> tuple[str, ...] | None:
+        tables = self._by_sender.get(sender)
+        if tables is None:
+            return None
+        addrs = tables.get(table)
+        if addrs is not None:
+            tables.move_to_end(table)
+        return addrs
+
+    def forget(self, sender: str) -> None:
+        self._by_sender.pop(sender, None)
+
+    def __len__(self) -> int:
+        """Senders with tables here."""
+        return len(self._by_sender)
+
+
+def subtree_addresses(rt: ProcRuntime, env: M.Cast) -> tuple[str, ...] | None:
+    """The addresses of a cast's subtree: as sent (kept, if it names a table), or
+    the table it names. None: a table this node never got (a bug, logged)."""
+    addrs, table = env.addrs, env.table
+    if addrs is not None:
+        if table is not None:
+            rt.cast_tables.put(env.sender, table[0], addrs)
+        return addrs
+    assert table is not None, "a cast names its subtree's addresses or a table of them"
+    addrs = rt.cast_tables.get(env.sender, table[0])
+    if addrs is None:
+        log.error("a cast from %s to %s names subtree table %d, unknown here: its %d members fail", env.sender, env.actor, table[0], table[1])
+    return addrs
 
 
 class RelayPort:
@@ -193,7 +258,14 @@ def handle_cast(rt: ProcRuntime, env: M.Cast, payload: Sequence[Segment]) -> Non
 
     The subtree is the members ``env.lo, env.lo + 1, ...`` at ``env.addrs``; the
     first is ours, the others are cut into at most ``fanout`` contiguous subtrees."""
-    actor, reply, sender, lo, addrs, exceptions = env.actor, env.reply, env.sender, env.lo, env.addrs, env.exceptions
+    actor, reply, sender, lo, exceptions = env.actor, env.reply, env.sender, env.lo, env.exceptions
+    addrs = subtree_addresses(rt, env)
+    if addrs is None:
+        if reply is not None and env.table is not None:
+            cause = dumps(f"cast subtree table {env.table[0]} unknown at {rt.address}")
+            for index in range(lo, lo + env.table[1]):
+                rt.reply(reply, index, M.SUPERVISION, cause)
+        return
     here = rt.address
     children = [(lo + 1 + a, addrs[1 + a : 1 + b]) for a, b in ranges(len(addrs) - 1, rt.config.max_cast_fanout)]
     reply_here = None
@@ -210,7 +282,7 @@ def handle_cast(rt: ProcRuntime, env: M.Cast, payload: Sequence[Segment]) -> Non
         if exceptions:
             chi = clo + len(sub)
             mine = {i: p for i, p in exceptions.items() if clo <= i < chi} or None
-        rt.send(sub[0], env._replace(reply=reply_here, lo=clo, addrs=sub, exceptions=mine), payload)  # keeps its numbers
+        rt.send(sub[0], env._replace(reply=reply_here, lo=clo, addrs=sub, table=None, exceptions=mine), payload)  # keeps its numbers
     if children and len(payload) > 1:
         # Forwarded buffers may still be in flight: the local actor gets its own copy.
         payload = [payload[0], *(bytearray(s) for s in payload[1:])]

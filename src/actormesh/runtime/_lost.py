@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import PortableException, ResourceExhaustedError
 from ..transport import Segment, dumps
 from . import _messages as M
+from ._cast import subtree_addresses
 
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
@@ -66,10 +67,12 @@ def payload_lost(rt: ProcRuntime, env: Envelope, error: Any) -> None:
     elif kind == M.CAST:
         actor, reply, sender = env.actor, env.reply, env.sender
         lo, seq, exceptions = env.lo, env.seq, env.exceptions
+        addrs = subtree_addresses(rt, env)  # kept if it carries a table: later casts name it
         prev = exceptions.get(lo, env.prev) if exceptions else env.prev  # the first member is ours
         rt._reorder.push((sender, actor), seq, M.Call(M.CALL, actor, env.endpoint, reply, lo, env.labels, env.sizes, sender, seq, prev), lost, prev)
+        size = len(addrs) if addrs is not None else env.table[1] if env.table is not None else 1
         if reply is not None:
-            for index in range(lo + 1, lo + len(env.addrs)):
+            for index in range(lo + 1, lo + size):
                 rt.reply(reply, index, M.ERROR, error_payload(exc))
         if reply is None:
             log.warning("a broadcast to %s lost its payload: %s", actor, exc)

@@ -115,8 +115,11 @@ class StopActor(NamedTuple):
 class Cast(NamedTuple):
     """A call to many members along a tree. This node's subtree is the members
     ``lo, lo + 1, ...`` (message indices), at ``addrs`` in that order; the first
-    is this node's own. All take the number ``seq`` and follow ``prev``, except
-    those in ``exceptions`` (index -> their own ``prev``; see _ordering.SeqOut)."""
+    is this node's own. ``table``: ``(id, len(addrs))`` when the sender's subtree
+    roots keep ``addrs`` under ``id``, sent once; later casts name it and leave
+    ``addrs`` None (see _cast.CastTables). All take the number ``seq`` and follow
+    ``prev``, except those in ``exceptions`` (index -> their own ``prev``; see
+    _ordering.SeqOut)."""
 
     kind: int
     actor: str
@@ -126,7 +129,8 @@ class Cast(NamedTuple):
     sizes: tuple[int, ...]
     sender: str
     lo: int
-    addrs: tuple[str, ...]
+    addrs: Optional[tuple[str, ...]]
+    table: Optional[tuple[int, int]]
     seq: int
     prev: int
     exceptions: Optional[dict[int, int]]

@@ -87,6 +87,7 @@ def hello(rt: ProcRuntime, conn: Connection, env: M.Hello) -> None:
     if restart:
         rt._reorder.forget(address)
         rt.seq_out.forget(address)
+        rt.cast_tables.forget(address)
     r = rt.route(address)
     if r.dead is not None and revive(rt, address, restart=False):
         r = rt.route(address)  # it was only unreachable, and is back
@@ -165,6 +166,7 @@ def _forget(rt: ProcRuntime, address: str, route: Route) -> None:
             rt._dead.popitem(last=False)
     rt.seq_out.forget(address)
     rt._reorder.forget(address)
+    rt.cast_tables.forget(address)
     links = getattr(rt, "links", None)
     if links is not None:
         links.forget(address)
@@ -214,6 +216,7 @@ def table_sizes(rt: ProcRuntime) -> dict[str, int]:
         "tombstones": len(rt._dead),
         "seq_out": len(rt.seq_out),
         "reorder": len(rt._reorder._streams),
+        "cast_tables": len(rt.cast_tables),
         "waiting_on": len(rt._waiting_on),
         "early": len(rt._early),
         "ports": len(rt.ports),

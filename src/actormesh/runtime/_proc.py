@@ -22,6 +22,7 @@ from ..transport import Connection, JobTLS, Listener, Segment, ShmPool, listen, 
 from ._gateway import refuse_relay
 from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
+from ._cast import CastTables
 from ._ordering import Reorder, SeqOut
 from ._links import LinkWatch
 from ._peers import connection_closed, dial, peer_gone, revive, table_sizes
@@ -94,6 +95,8 @@ class ProcRuntime(Receiving):
         self._waiting_on: dict[str, set[Any]] = {}
         self._early: dict[str, list[tuple[Envelope, Sequence[Segment]]]] = {}
         self.seq_out = SeqOut()
+        #: Subtree addresses that senders' casts name by table id (_cast.py).
+        self.cast_tables = CastTables()
         self._expected_gone: set[str] = set()
         #: Routes of peers that are gone, most recent last (bounded: MAX_TOMBSTONES).
         self._dead: OrderedDict[str, Route] = OrderedDict()

@@ -68,7 +68,9 @@ class Verbs:
         ``actor``, which numbers the cast in O(1) (see _ordering.SeqOut, rule 3).
 
         The sender's work is O(fanout) sends plus O(members that got a message since the
-        last whole cast); a cast to a slice also numbers each of its members (rule 4)."""
+        last whole cast); a cast to a slice also numbers each of its members (rule 4).
+        A subtree's addresses go to its root once per connection; later casts name
+        them by table id (_cast.CastTables), so the bytes sent are O(fanout) too."""
         routes = []
         for root in plan.roots:
             r = self._routes.get(root)
@@ -83,10 +85,18 @@ class Verbs:
             live = [a for c, (_, sub) in enumerate(chunks) if c not in dead for a in sub] if dead else plan.addresses
             t, prev, exceptions = self.seq_out.cast_some(actor, live)
         per_chunk = plan.exceptions_by_chunk(exceptions) if exceptions else None
-        sender = self.address
+        sender, tables, sent_on = self.address, plan.tables, plan.sent_on
         for c, (lo, sub) in enumerate(chunks):
             exc = per_chunk[c] if per_chunk is not None else None
-            routes[c].send(M.Cast(M.CAST, actor, endpoint, reply, labels, sizes, sender, lo, sub, t, prev, exc), payload, actor)
+            r = routes[c]
+            # What carries frames to this root in order: its connection (None while
+            # dialling: then the addresses go again), or the local route itself.
+            carrier = getattr(r, "conn", r)
+            if carrier is not None and sent_on[c] is carrier:
+                r.send(M.Cast(M.CAST, actor, endpoint, reply, labels, sizes, sender, lo, None, tables[c], t, prev, exc), payload, actor)
+            else:  # first on this connection: the addresses, which the root keeps under the table id
+                r.send(M.Cast(M.CAST, actor, endpoint, reply, labels, sizes, sender, lo, sub, tables[c], t, prev, exc), payload, actor)
+                sent_on[c] = carrier
 
     def spawn_actor(self, address: str, actor: str, rank: int, labels: tuple[str, ...], sizes: tuple[int, ...],
                     owner: ActorRef | None, reply: PortRef | None, display: str, is_async: bool,
