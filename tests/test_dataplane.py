@@ -120,7 +120,7 @@ def _header(body_len: int, nseg: int, flags: int, lens: tuple[int, ...] = ()) ->
 
 
 MALFORMED = {
-    "unknown flag": _header(8, 1, 8, (0,)),
+    "unknown flag": _header(8, 1, 16, (0,)),
     "chunk without a chunked frame": _header(10, 0, _frames.FLAG_CHUNK) + bytes(10),
     "chunk declaring segments": encode_chunked([bytes(100)])[0] + _header(10, 1, _frames.FLAG_CHUNK),
     "chunk longer than what is missing": encode_chunked([bytes(100)])[0] + _header(101, 0, _frames.FLAG_CHUNK),

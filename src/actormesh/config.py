@@ -23,6 +23,7 @@ or humantime strings (``"30s"``, ``"500ms"``, ``"1h 30m"``); sizes are bytes.
 | hung_timeout            | 60.0       | seconds a silent child proc may use no CPU while not runnable before it is declared hung and killed |
 | link_timeout            | 10.0       | seconds a peer on another host (a TCP link that is not to a child) may stay silent, pinged every ``heartbeat_interval``, before it is unreachable: its calls fail, owners hear it, and an agent that loses its controller stops that controller's procs; also TCP keepalive / ``TCP_USER_TIMEOUT``. At least twice ``heartbeat_interval`` (docs/supervision.md, Partitions) |
 | shm_threshold_bytes     | 1 MiB      | message buffers this large go to same-host procs through shared memory; 0 = never |
+| bulk_lane_bytes         | 1 MiB      | messages this large to a TCP peer (no TLS) go on a second connection run by low-priority threads, so small ones on the first keep their latency (docs/dataplane.md); 0 = never |
 | shm_pool_bytes          | 1 GiB      | idle shared-memory message buffers a process keeps for reuse |
 | prefix_python_logs_with_actor | True | Python log messages made inside an actor start with ``[actor=<name>] `` |
 | debug_attach_timeout    | 60.0       | seconds an actor paused in ``breakpoint()`` waits without a debug console (none connected, or it quit) before it continues with a logged warning; also how long the console waits for a paused actor to answer one command (docs/debugging.md) |
@@ -94,6 +95,7 @@ class Config:
     hung_timeout: float = 60.0
     link_timeout: float = 10.0
     shm_threshold_bytes: int = 1 << 20
+    bulk_lane_bytes: int = 1 << 20
     shm_pool_bytes: int = 1 << 30
     prefix_python_logs_with_actor: bool = True
     debug_attach_timeout: float = 60.0
@@ -120,7 +122,7 @@ class Config:
 
 _TRANSPORTS = ("unix", "tcp")
 # Size keys where 0 means "off".
-_ZERO_DISABLES = frozenset({"shm_threshold_bytes", "dashboard_port"})
+_ZERO_DISABLES = frozenset({"shm_threshold_bytes", "bulk_lane_bytes", "dashboard_port"})
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|min|s|m|h|d)\s*")
 

@@ -137,6 +137,7 @@ class AttachedRuntime(ProcRuntime):
                 ssl_context=self._client_ssl if gateway.startswith("tcp:") else None,
                 shm=self.shm,
                 dead_after_s=self.config.link_timeout,
+                bulk_lane_bytes=self.config.bulk_lane_bytes,
             )
         except AuthenticationError as exc:
             raise AuthenticationError(f"attach({gateway!r}): the gateway did not accept this job's secret: {exc} "

@@ -207,6 +207,7 @@ class _Session:
                 timeout_s=rt.config.connect_timeout,
                 ssl_context=rt._client_ssl if target.startswith("tcp:") else None,
                 shm=rt.shm,
+                bulk_lane_bytes=rt.config.bulk_lane_bytes,
             )
         except Exception as exc:  # whatever it was, the waiting frames fail: none may hang
             reason = f"the process at {destination} is unreachable from the gateway at {rt.address}: {type(exc).__name__}: {exc}"

@@ -52,6 +52,7 @@ async def dial(rt: ProcRuntime, route: Route) -> None:
             ssl_context=rt._client_ssl if target.startswith("tcp:") else None,
             shm=rt.shm,
             dead_after_s=rt.config.link_timeout,
+            bulk_lane_bytes=rt.config.bulk_lane_bytes,
         )
     except AuthenticationError as exc:
         peer_gone(

@@ -153,6 +153,7 @@ class ProcRuntime(Receiving):
             ssl_context=self._server_ssl if addr.startswith("tcp:") else None,
             shm=self.shm,
             dead_after_s=self.config.link_timeout,
+            bulk_lane_bytes=self.config.bulk_lane_bytes,
         )
         # Set on the loop thread before it can run any frame handler: a spawner that
         # chose our address may dial us (and send) the moment the socket exists.

@@ -12,6 +12,9 @@ of the loop, not one per message.
 Large frames go out in chunks, one batch at a time, each only once the socket
 has taken the one before (see _outgoing.py): small frames with another order
 key pass them, and memory for a send is the sender's own buffers, never a copy.
+On TCP without TLS, frames of ``BULK_MIN_BYTES`` or more take a second
+connection, the bulk lane, once it is up (see _lanes.py). Sending is in
+_sending.py.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from typing import Any, cast
 from ..errors import AuthenticationError, ProtocolError, TransportError
 from ._auth import HANDSHAKE_BYTES, Handshake
 from ._codec import LostPayload
-from ._frames import FLAG_SHM, FrameDecoder, LostFrame, Segment, ShmFrame, encode_frame, frame_tail, seg_nbytes
+from ._frames import FrameDecoder, LaneFrame, LostFrame, Segment, ShmFrame
+from ._lane_conn import ConnectionLanes
 from ._memory import peer_pid_uid
-from ._outgoing import CHUNK_BYTES, CHUNK_MIN_BYTES, Outgoing
+from ._outgoing import Outgoing
+from ._sending import Sending
 from ._shm import ShmError, ShmExhausted, ShmPool
 
 __all__ = ["Connection"]
@@ -44,13 +49,9 @@ FrameHandler = Callable[["Connection", list[Segment]], None]
 CloseHandler = Callable[["Connection", "BaseException | None"], None]
 
 
-# A connection quiet for this long takes the direct-write path (see _write_direct).
-_IDLE_S = 100e-6
-# Bytes handed to the transport per batch while frames wait (see _outgoing.py).
-_BATCH_BYTES = CHUNK_BYTES
 
 
-class Connection(asyncio.BufferedProtocol):
+class Connection(Sending, asyncio.BufferedProtocol):
     """One authenticated byte stream carrying frames both ways."""
 
     def __init__(
@@ -65,6 +66,7 @@ class Connection(asyncio.BufferedProtocol):
         loop: asyncio.AbstractEventLoop,
         shm: ShmPool | None = None,
         tune: Callable[[socket.socket], None] | None = None,
+        lanes: int = 0,
     ) -> None:
         self._handshake: Handshake | None = Handshake(secret, dialer=dialer)
         self._hs_buf = bytearray(HANDSHAKE_BYTES)
@@ -99,6 +101,10 @@ class Connection(asyncio.BufferedProtocol):
         #: Where large outgoing segments go instead of the socket (same-host peers only).
         self.shm: ShmPool | None = None
         self._peer_pid = 0
+        self._max_frame = max_frame_bytes
+        #: Frames of ``lanes`` bytes or more on a second TCP connection (see _lanes.py; 0: none): set up in connection_made.
+        self._lanes: ConnectionLanes | None = None
+        self._want_lanes = lanes
 
     def __repr__(self) -> str:
         return f"<Connection peer={self.peer_name} ready={self.ready.done()} closed={self.closed}>"
@@ -120,6 +126,9 @@ class Connection(asyncio.BufferedProtocol):
                 pass  # a peer that already closed: the handshake wait reports it
         if sock is not None and transport.get_extra_info("sslcontext") is None and transport.get_extra_info("ssl_object") is None:
             self._fd = sock.fileno()
+            if self._want_lanes and sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._lanes = ConnectionLanes(self._loop, sock.getsockname()[0], str(peer[0]), self._max_frame, self._want_lanes,
+                                              self._deliver, self._abort, self._wake)
         if sock is not None and sock.family == socket.AF_UNIX:
             try:
                 self._peer_pid, uid = peer_pid_uid(sock)
@@ -171,7 +180,28 @@ class Connection(asyncio.BufferedProtocol):
                     log.warning("closing connection from %s: %s", self.peer_name, exc)
                     self._abort(exc)
                     return
-            self._on_frame(self, frame)  # read each time: a handler may rebind() mid-batch
+            elif type(frame) is LaneFrame:
+                if not self._lane_frame(frame):
+                    return
+                continue
+            if self._lanes is None:
+                self._on_frame(self, frame)  # read each time: a handler may rebind() mid-batch
+            else:
+                self._lanes.control(frame)
+
+    def _deliver(self, frame: list[Segment]) -> None:
+        self._on_frame(self, frame)
+
+    def _lane_frame(self, frame: list[Segment]) -> bool:
+        try:
+            if self._lanes is None:
+                raise ProtocolError("a lane frame on a connection without lanes")
+            self._lanes.lane_frame(frame)
+            return True
+        except ProtocolError as exc:
+            log.warning("closing connection from %s: %s", self.peer_name, exc)
+            self._abort(exc)
+            return False
 
     def _advance_handshake(self, nbytes: int) -> None:
         hs = self._handshake
@@ -206,6 +236,11 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        if self._lanes is not None and self._lanes.connection_lost(lambda: self._lost(exc), clean=exc is None):
+            return  # what the peer wrote on its lane before it closed may still come
+        self._lost(exc)
+
+    def _lost(self, exc: BaseException | None) -> None:
         if self._hs_timer is not None:
             self._hs_timer.cancel()
         if not self.ready.done():
@@ -223,138 +258,6 @@ class Connection(asyncio.BufferedProtocol):
         if self.shm is not None:
             self.shm.forget(self)
         self._on_close(self, exc)
-
-    # -- sending (any thread) ----------------------------------------------------------
-    def send(self, segments: Sequence[Segment], *, wait_flushed: bool = False,
-             order_key: Any = None) -> threading.Event | None:
-        """Queue one frame. Thread-safe; frames from one thread keep their order.
-
-        With ``wait_flushed`` an Event is returned that is set once the frame's
-        bytes are in the kernel (or the connection closed): until then the
-        segments' memory is still referenced and must not change.
-
-        ``order_key``: frames with equal keys, or without a key, are written in
-        send order; a small frame may pass a large one in progress when both
-        have keys and they differ (see _outgoing.py).
-        """
-        if self.closed:
-            raise TransportError(f"connection to {self.peer_name} is closed")
-        flags = 0
-        if self.shm is not None and len(segments) > 1:
-            exported = self.shm.export(segments, self)
-            if exported is not None:
-                # Copied into shared memory already: only small parts still reference the caller's memory.
-                manifest, rest = exported
-                segments, flags = [manifest, *rest], FLAG_SHM
-                if wait_flushed and max(seg_nbytes(p) for p in rest) < 65536:
-                    wait_flushed = False
-        if self._fd >= 0 and not wait_flushed and threading.get_ident() != self._loop_thread:
-            now = _monotonic()
-            idle = now - self._last_tx > _IDLE_S
-            self._last_tx = now
-            if idle and self._write_direct(segments, flags):
-                return None
-        event = threading.Event() if wait_flushed else None
-        self._outbox.append((segments, flags, event, order_key))
-        if not self._scheduled:
-            self._scheduled = True
-            if threading.get_ident() == self._loop_thread:
-                self._loop.call_soon(self._flush)
-            else:
-                try:
-                    self._loop.call_soon_threadsafe(self._flush)
-                except RuntimeError as exc:  # loop closed under us
-                    raise TransportError("event loop is closed") from exc
-        return event
-
-    def _write_direct(self, segments: Sequence[Segment], flags: int) -> bool:
-        """Write a small frame from the sender's thread, skipping the hop to the loop.
-
-        Only on an idle connection (nothing queued, nothing buffered): one less
-        thread wake-up per message is most of a round trip's latency. Busy
-        connections keep the batched path, which makes one syscall per burst.
-        """
-        with self._wlock:
-            transport = self._transport
-            if self._outbox or self._scheduled or self._out or self._handshake is not None or self.closed or transport is None:
-                return False
-            if transport.get_write_buffer_size():
-                return False
-            frame = encode_frame(segments, flags)
-            total = sum(seg_nbytes(p) for p in frame)
-            if total >= CHUNK_MIN_BYTES:
-                return False  # goes in chunks, from the loop
-            try:
-                written = os.writev(self._fd, frame)
-            except (BlockingIOError, InterruptedError):
-                written = 0
-            except OSError:
-                return False  # let the loop see the broken connection
-            if written == total:
-                return True
-            # The kernel took part of it: the loop writes the rest, before anything else.
-            self._out.push_encoded(frame_tail(frame, written))
-            self._scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:
-            pass
-        return True
-
-    def _flush(self) -> None:
-        with self._wlock:
-            self._flush_locked()
-
-    def _flush_locked(self) -> None:
-        self._scheduled = False
-        if self._handshake is not None or self.closed or self._transport is None:
-            return
-        outbox, out = self._outbox, self._out
-        while outbox:
-            segments, flags, event, key = outbox.popleft()
-            out.push(segments, flags, event, key)
-        transport = self._transport
-        # One batch at a time, each once the socket has taken the last: what waits in
-        # the transport stays small, so a frame queued now is not stuck behind megabytes.
-        while out and transport.get_write_buffer_size() == 0:
-            parts, waiters = out.batch(_BATCH_BYTES)
-            if not self._write_parts(parts):
-                self._drain_waiters.extend(waiters)
-                break
-            for ev in waiters:
-                ev.set()
-        if self._closing and not out:
-            transport.close()
-
-    def _write_parts(self, parts: list[Segment]) -> bool:
-        """Hand a batch to the kernel; True if it took all of it.
-
-        Written with ``os.writev`` where we have the descriptor (the transport's
-        buffer is empty, so nothing is overtaken): it copies without holding the
-        GIL, so other threads (callers, actors) run during a large transfer. What
-        the kernel does not take goes to the transport, which keeps it without
-        a copy (uvloop) and says when it is out (``resume_writing``).
-        """
-        transport = self._transport
-        assert transport is not None
-        written = 0
-        if self._fd >= 0:
-            try:
-                written = os.writev(self._fd, parts)
-            except (BlockingIOError, InterruptedError):
-                written = 0
-            except OSError:
-                written = 0  # the transport's own write reports the broken connection
-            if written == sum(seg_nbytes(p) for p in parts):
-                return True
-            parts = frame_tail(parts, written)
-        transport.writelines(parts)
-        return transport.get_write_buffer_size() == 0
-
-    def _release_drain_waiters(self) -> None:
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for ev in waiters:
-            ev.set()
 
     def rebind(self, *, on_frame: FrameHandler, on_close: CloseHandler) -> None:
         """Hand this connection's later frames and its close to new handlers (loop thread).
@@ -385,16 +288,6 @@ class Connection(asyncio.BufferedProtocol):
     def _abort(self, exc: BaseException) -> None:
         if self._transport is not None and not self.closed:
             self._transport.abort()
-
-    @property
-    def drained(self) -> bool:
-        """Whether every frame sent so far has reached the kernel (loop thread); True once
-        closed, since nothing more will."""
-        if self.closed:
-            return True
-        transport = self._transport
-        return not self._outbox and not self._scheduled and not self._out and (
-            transport is None or transport.get_write_buffer_size() == 0)
 
     def abort(self) -> None:
         """Drop the connection now, queued frames and all (thread-safe): for a peer given up on."""

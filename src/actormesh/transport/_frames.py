@@ -23,6 +23,7 @@ Flags:
   delivered) when its last chunk has arrived.
 - ``FLAG_CHUNK``: ``nseg`` is 0 and the body is the next bytes of the chunked
   frame in progress.
+- ``FLAG_LANE``: a small frame for the connection itself (_lanes.py).
 
 Any other flag, a chunk with no chunked frame in progress or longer than what
 that frame still lacks, a second chunked frame while one is in progress, an
@@ -47,15 +48,15 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any, Union
+from typing import Any
 
 from ..errors import ProtocolError
 from ._buffers import KINDS, alloc_segment, kind_of
+from ._received import LaneFrame, LostFrame, Segment, ShmFrame, Assembly
 
 __all__ = ["FrameDecoder", "encode_frame", "encode_chunked", "chunk_header", "Segment", "PREFIX_BYTES", "FLAG_SHM",
-           "FLAG_CHUNKED", "FLAG_CHUNK", "ShmFrame", "LostFrame", "BIG_BYTES", "seg_nbytes", "frame_tail"]
+           "FLAG_CHUNKED", "FLAG_CHUNK", "FLAG_LANE", "ShmFrame", "LaneFrame", "LostFrame", "BIG_BYTES", "seg_nbytes", "frame_tail"]
 
-Segment = Union[bytes, bytearray, memoryview]
 
 _PREFIX = struct.Struct("<QI")
 _TWO = struct.Struct("<QIQQ")
@@ -71,24 +72,9 @@ _BETWEEN_CHUNKS_BYTES = 8 * 1024
 FLAG_SHM = 1
 FLAG_CHUNKED = 2
 FLAG_CHUNK = 4
-_FRAME_FLAGS = (0, FLAG_SHM, FLAG_CHUNKED)
+FLAG_LANE = 8
+_FRAME_FLAGS = (0, FLAG_SHM, FLAG_CHUNKED, FLAG_LANE)
 _NO_KINDS: Any = itertools.repeat(0)  # or a list of kinds, per frame
-
-
-class ShmFrame(list):  # type: ignore[type-arg]
-    """A decoded frame flagged ``FLAG_SHM``: segment 0 is the manifest."""
-
-    __slots__ = ()
-
-
-class LostFrame(list):  # type: ignore[type-arg]
-    """A frame whose data could not be received (no memory): ``[envelope]`` and ``error``."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, segments: list[Segment], error: BaseException) -> None:
-        super().__init__(segments)
-        self.error = error
 
 
 # The seam for memory-pressure tests: (nbytes, kind) -> (object handed out, writable view).
@@ -153,54 +139,6 @@ def chunk_header(nbytes: int) -> bytes:
     return _PREFIX.pack(nbytes, FLAG_CHUNK << 16)
 
 
-class _Assembly:
-    """The segments of one large frame being filled in wire order."""
-
-    __slots__ = ("objs", "views", "flags", "remaining", "_i", "_off", "error", "_scratch")
-
-    def __init__(self, objs: list[Any], views: list[memoryview | None], flags: int, total: int,
-                 error: BaseException | None = None, scratch: memoryview | None = None) -> None:
-        self.objs, self.views, self.flags, self.remaining = objs, views, flags, total
-        self._i = self._off = 0
-        self.error = error  # set: a lost frame, only the envelope is kept
-        self._scratch = scratch
-
-    def space(self, limit: int) -> memoryview:
-        """Writable memory for the next at most ``limit`` bytes (within one segment)."""
-        views = self.views
-        while True:
-            view = views[self._i]
-            size = len(view) if view is not None else self.objs[self._i]
-            if self._off < size:
-                break
-            self._i += 1
-            self._off = 0
-        n = min(limit, size - self._off)
-        if view is None:  # discarded: any scratch memory will do
-            assert self._scratch is not None
-            return self._scratch[: min(n, len(self._scratch))]
-        return view[self._off : self._off + n]
-
-    def advance(self, n: int) -> None:
-        self._off += n
-        self.remaining -= n
-
-    def copy_in(self, data: memoryview) -> None:
-        pos, total = 0, len(data)
-        while pos < total:
-            dst = self.space(total - pos)
-            k = len(dst)
-            dst[:] = data[pos : pos + k]
-            self.advance(k)
-            pos += k
-
-    def frame(self) -> list[Segment]:
-        if self.error is not None:
-            env = self.views[0]
-            return LostFrame([env if env is not None else b""], self.error)
-        return ShmFrame(self.objs) if self.flags else self.objs
-
-
 class FrameDecoder:
     """Turns a byte stream into frames (lists of segments).
 
@@ -217,9 +155,9 @@ class FrameDecoder:
         self._start = 0
         self._end = 0
         # Bytes the stream owes straight to ``_target`` (a large frame's memory) before anything else.
-        self._target: _Assembly | None = None
+        self._target: Assembly | None = None
         self._inflow = 0
-        self._chunked: _Assembly | None = None  # the chunked frame in progress
+        self._chunked: Assembly | None = None  # the chunked frame in progress
         self._broken = False
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
@@ -273,6 +211,11 @@ class FrameDecoder:
             mv = mv[n:]
             frames.extend(self.buffer_updated(n))
         return frames
+
+    @property
+    def idle(self) -> bool:
+        """No frame in progress: the stream may end here."""
+        return not self._inflow and self._chunked is None and self._start == self._end
 
     def close(self) -> None:
         """Drop any frame in progress (its memory goes now); the decoder takes no more bytes."""
@@ -333,7 +276,7 @@ class FrameDecoder:
                 segments.append(bytes(view[pos : pos + length]))
                 pos += length
             self._start = pos
-            frames.append(ShmFrame(segments) if flags else segments)
+            frames.append(segments if not flags else ShmFrame(segments) if flags == FLAG_SHM else LaneFrame(segments))
         if self._start == self._end:
             self._start = self._end = 0
         return frames
@@ -380,7 +323,7 @@ class FrameDecoder:
             frames.append(asm.frame())
         return True
 
-    def _assemble(self, lens: Sequence[int], kinds: Iterable[int], flags: int) -> _Assembly:
+    def _assemble(self, lens: Sequence[int], kinds: Iterable[int], flags: int) -> Assembly:
         """Memory for a large frame's segments; a lost frame's envelope only, when there is none."""
         total = sum(lens)
         objs: list[Any] = []
@@ -390,7 +333,7 @@ class FrameDecoder:
                 obj, mv = _alloc(n, kind)
                 objs.append(obj)
                 views.append(mv)
-            return _Assembly(objs, views, flags, total)
+            return Assembly(objs, views, flags, total)
         except MemoryError:
             del objs, views
             if flags or not lens or lens[0] >= _BIG_BYTES:
@@ -400,5 +343,5 @@ class FrameDecoder:
         error.resource = "memory"  # type: ignore[attr-defined]
         # A discarded segment is recorded by its length (no view): its bytes go to scratch memory.
         envelope = memoryview(bytearray(lens[0]))
-        return _Assembly([envelope, *lens[1:]], [envelope, *[None] * (len(lens) - 1)], flags, total, error,
+        return Assembly([envelope, *lens[1:]], [envelope, *[None] * (len(lens) - 1)], flags, total, error,
                          memoryview(bytearray(_BIG_BYTES)))

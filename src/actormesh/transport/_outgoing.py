@@ -82,14 +82,21 @@ class Outgoing:
         # (parts of a whole frame, event, key) or a _Chunked not yet started
         self._queue: deque[Any] = deque()
         self._big: _Chunked | None = None
+        self._chunked = 0  # chunked frames queued or in progress
 
     def __bool__(self) -> bool:
         return bool(self._queue) or self._big is not None
+
+    @property
+    def chunked(self) -> bool:
+        """Whether a chunked frame is queued or in progress (so frames may pass others)."""
+        return self._chunked > 0
 
     def push(self, segments: Sequence[Segment], flags: int, event: threading.Event | None, key: Hashable | None) -> None:
         """Queue one frame (its segments, not yet encoded)."""
         if not flags and len(segments) > 1 and sum(seg_nbytes(s) for s in segments) >= self._chunk_min:
             self._queue.append(_Chunked(segments, event, key))
+            self._chunked += 1
         else:
             self._queue.append((encode_frame(segments, flags), event, key))
 
@@ -126,6 +133,7 @@ class Outgoing:
             budget -= n
             if not big.left:
                 self._big = None
+                self._chunked -= 1
                 if big.event is not None:
                     events.append(big.event)
         return parts, events
@@ -158,4 +166,5 @@ class Outgoing:
             events.append(self._big.event)
         self._queue.clear()
         self._big = None
+        self._chunked = 0
         return [e for e in events if e is not None]

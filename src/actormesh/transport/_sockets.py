@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import AuthenticationError, TransportError
 from ._connection import CloseHandler, Connection, FrameHandler
+from ._lanes import BULK_MIN_BYTES
 from ._shm import ShmPool
 
 __all__ = ["Listener", "connect", "listen", "parse_address", "receive_window_bytes", "tune_tcp"]
@@ -116,6 +117,7 @@ async def listen(
     shm: ShmPool | None = None,
     max_unauthenticated: int = MAX_UNAUTHENTICATED,
     dead_after_s: float | None = None,
+    bulk_lane_bytes: int = BULK_MIN_BYTES,
 ) -> Listener:
     """Listen on ``unix:/path`` or ``tcp:host:port`` (port 0 picks a free one).
 
@@ -124,11 +126,12 @@ async def listen(
     most ``max_unauthenticated`` connections wait in the handshake at once:
     the oldest is closed to admit a new one. ``dead_after_s``: TCP keepalive and
     ``TCP_USER_TIMEOUT`` on accepted connections (see :func:`tune_tcp`).
+    ``bulk_lane_bytes``: frames this large take the bulk lane (_lanes.py); 0 = never.
     """
     loop = asyncio.get_running_loop()
     scheme, target = parse_address(address)
     opts = dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=handshake_timeout_s, on_frame=on_frame, on_close=on_close, shm=shm,
-                tune=functools.partial(tune_tcp, dead_after_s=dead_after_s))
+                tune=functools.partial(tune_tcp, dead_after_s=dead_after_s), lanes=0 if ssl_context else bulk_lane_bytes)
     inner = _factory(secret, False, loop, opts)
 
     gate = _HandshakeGate(max_unauthenticated)
@@ -262,10 +265,12 @@ async def connect(
     ssl_context: ssl.SSLContext | None = None,
     shm: ShmPool | None = None,
     dead_after_s: float | None = None,
+    bulk_lane_bytes: int = BULK_MIN_BYTES,
 ) -> Connection:
     """Dial and authenticate, retrying with jittered back-off until ``timeout_s``.
 
     ``dead_after_s``: TCP keepalive and ``TCP_USER_TIMEOUT`` (see :func:`tune_tcp`).
+    ``bulk_lane_bytes``: frames this large take the bulk lane (_lanes.py); 0 = never.
     Raises TransportError (or AuthenticationError) naming the address on failure.
     """
     loop = asyncio.get_running_loop()
@@ -278,7 +283,8 @@ async def connect(
         True,
         loop,
         dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=max(handshake_timeout_s, timeout_s), on_frame=on_frame,
-             on_close=on_close, shm=shm, tune=functools.partial(tune_tcp, dead_after_s=dead_after_s)),
+             on_close=on_close, shm=shm, tune=functools.partial(tune_tcp, dead_after_s=dead_after_s),
+             lanes=0 if ssl_context else bulk_lane_bytes),
     )
     deadline = loop.time() + timeout_s
     delay = 0.005
