@@ -319,3 +319,35 @@ def test_a_malformed_lane_frame_closes_that_connection_only(body: bytes) -> None
             other_listener.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_stranger_at_the_offered_port_neither_gets_the_lane_nor_stops_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from actormesh.transport import _lane_conn
+
+    real_dial = _lane_conn.dial_lane
+    strangers: list[bytes] = []
+
+    def stranger_first(host: str, port: int, *args: Any) -> Any:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(bytes(32))  # a wrong token
+            strangers.append(s.recv(1))  # the lane closes on it: b""
+        return real_dial(host, port, *args)
+
+    monkeypatch.setattr(_lane_conn, "dial_lane", stranger_first)
+
+    async def main() -> None:
+        got: list[str] = []
+        listener, dialed, accepted = await _pair(lambda c, f: got.append(bytes(f[0]).decode()))
+        try:
+            await _lane_up(dialed)
+            dialed.send(_msg("by-lane", 2 * MiB), order_key="a")
+            await _until(lambda: "by-lane" in got, "the frame")
+            assert strangers == [b""] and dialed._lanes.send_lane.sent == 1
+        finally:
+            dialed.abort()
+            accepted.abort()
+            listener.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -48,6 +48,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -183,7 +184,6 @@ class SendLane:
         self._busy = False
         self._sock: socket.socket | None = None
         self._server = socket.create_server((local_host, 0), family=socket.AF_INET6 if ":" in local_host else socket.AF_INET)
-        self._server.settimeout(OFFER_TIMEOUT_S)
         self.port: int = self._server.getsockname()[1]
         self.thread = threading.Thread(target=self._run, name="actormesh-lane-send", daemon=True)
         self.thread.start()
@@ -215,10 +215,15 @@ class SendLane:
         _shut(self._server)
 
     def _accept(self) -> socket.socket | None:
+        deadline = time.monotonic() + OFFER_TIMEOUT_S  # in all: a stranger's tries cannot stretch it
         try:
             while True:
-                sock, _ = self._server.accept()  # times out after OFFER_TIMEOUT_S in all
-                sock.settimeout(OFFER_TIMEOUT_S)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the offer expired")
+                self._server.settimeout(left)
+                sock, _ = self._server.accept()
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
                 try:
                     token = _recv_exactly(sock, _TOKEN_BYTES)
                 except OSError:
