@@ -351,3 +351,43 @@ def test_a_stranger_at_the_offered_port_neither_gets_the_lane_nor_stops_the_peer
             listener.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_an_offer_that_reaches_some_other_listener_costs_the_lane_not_the_connection(
+        monkeypatch: pytest.MonkeyPatch, answer: bytes) -> None:
+    import socket
+
+    from actormesh.transport import _lane_conn
+
+    monkeypatch.setattr(_lanes, "OFFER_TIMEOUT_S", 0.5)
+    other = socket.create_server(("127.0.0.1", 0))
+    real_dial = _lane_conn.dial_lane
+
+    def serve_other() -> None:
+        conn, _ = other.accept()
+        conn.recv(64)
+        conn.sendall(answer)
+        conn.close()
+
+    threading.Thread(target=serve_other, daemon=True).start()
+    # As through a port forward: the peer's address is not where the offer listens.
+    monkeypatch.setattr(_lane_conn, "dial_lane", lambda host, port, *a: real_dial(host, other.getsockname()[1], *a))
+
+    async def main() -> None:
+        got: list[str] = []
+        listener, dialed, accepted = await _pair(lambda c, f: got.append(bytes(f[0]).decode()))
+        try:
+            dialed.send(_msg("big-0", 2 * MiB), order_key="a")
+            await _until(lambda: dialed._lanes.send_lane is not None and dialed._lanes.send_lane.state == "failed",
+                         "the offer to expire")
+            dialed.send(_msg("big-1", 2 * MiB), order_key="a")
+            await _until(lambda: got == ["big-0", "big-1"], "both frames")
+            assert not dialed.closed and not accepted.closed
+        finally:
+            dialed.abort()
+            accepted.abort()
+            listener.close()
+            other.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -50,6 +50,7 @@ class ConnectionLanes:
         self._recv_close: Callable[[], None] | None = None
         self._receiving = False
         self._on_lost: Callable[[], None] | None = None
+        self._closed = False
 
     # -- sending: loop thread, under the connection's write lock ----------------------
     @property
@@ -134,7 +135,7 @@ class ConnectionLanes:
         if type(frame) is LostFrame:
             log.warning("dropping the payload of a frame from %s: %s", self._peer, frame.error)
             frame = [frame[0], LostPayload(frame.error)]  # type: ignore[list-item]  # as Connection does
-        if self._merger is not None:
+        if self._merger is not None and not self._closed:
             self._merger.bulk(c, frame)
 
     def _recv_ended(self, exc: BaseException | None) -> None:
@@ -166,6 +167,7 @@ class ConnectionLanes:
         return False
 
     def close(self) -> None:
+        self._closed = True  # a frame the lane thread handed over meanwhile is dropped
         if self._recv_close is not None:
             self._recv_close()
         if self._merger is not None:

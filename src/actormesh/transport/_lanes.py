@@ -67,6 +67,7 @@ LANE_NICE = 10
 #: Seconds for the peer to dial an offered lane (else large frames stay on the connection).
 OFFER_TIMEOUT_S = 5.0
 _TOKEN_BYTES = 32
+_ACK = b"L"
 _OFFER = struct.Struct("<cH32s")
 _BARRIER = struct.Struct("<cQ")
 _COUNT = struct.Struct("<Q")
@@ -229,6 +230,7 @@ class SendLane:
                 except OSError:
                     token = b""
                 if hmac.compare_digest(token, self.token):
+                    sock.sendall(_ACK)  # tells the peer it reached this lane, not some other listener
                     sock.settimeout(None)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     return sock
@@ -279,8 +281,10 @@ def dial_lane(host: str, port: int, token: bytes, max_frame_bytes: int, on_frame
     """Dial a lane the peer offered and read it on a thread of low priority.
 
     ``on_frame(c, frame)`` and then ``on_end(exc)`` run on that thread:
-    ``exc`` is None when the peer closed the lane between frames. Returns a
-    function that closes the lane (its thread ends; ``on_end`` still runs).
+    ``exc`` is None when the peer closed the lane between frames, or when the
+    lane could not be reached or did not answer as one (then the peer's offer
+    expires and its large frames stay on the connection). Returns a function
+    that closes the lane (its thread ends; ``on_end`` still runs).
     """
     state: dict[str, Any] = {"closed": False, "sock": None}
 
@@ -288,14 +292,13 @@ def dial_lane(host: str, port: int, token: bytes, max_frame_bytes: int, on_frame
         _lower_priority()
         error: BaseException | None = None
         try:
-            sock = socket.create_connection((host, port), timeout=OFFER_TIMEOUT_S)
+            sock = _reach(host, port, token)
+            if sock is None:
+                return
             state["sock"] = sock
             if state["closed"]:
                 _shut(sock)
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(token)
-            sock.settimeout(None)
             _read_frames(sock, FrameDecoder(max_frame_bytes), on_frame)
         except (OSError, ProtocolError) as exc:
             error = exc if not state["closed"] else None
@@ -308,6 +311,26 @@ def dial_lane(host: str, port: int, token: bytes, max_frame_bytes: int, on_frame
 
     threading.Thread(target=run, name="actormesh-lane-recv", daemon=True).start()
     return close
+
+
+def _reach(host: str, port: int, token: bytes) -> socket.socket | None:
+    """A connected lane, or None (logged) if the offer cannot be reached or is not a lane."""
+    try:
+        sock = socket.create_connection((host, port), timeout=OFFER_TIMEOUT_S)
+    except OSError as exc:
+        log.debug("bulk lane at %s:%d not reachable (%s): large frames stay on the connection", host, port, exc)
+        return None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(token)
+        if _recv_exactly(sock, len(_ACK)) != _ACK:
+            raise OSError("no lane answered")
+        sock.settimeout(None)
+        return sock
+    except OSError as exc:
+        log.debug("bulk lane at %s:%d refused (%s): large frames stay on the connection", host, port, exc)
+        sock.close()
+        return None
 
 
 def _read_frames(sock: socket.socket, decoder: FrameDecoder, on_frame: Callable[[int, list[Segment]], None]) -> None:
