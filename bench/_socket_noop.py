@@ -5,8 +5,12 @@ processes stream bulk bytes over a second connection between the same two
 network stacks as fast as they can. The bulk sender and sink are separate
 processes (no shared interpreter lock), so what remains is what the kernel
 and the box's cores impose: the lowest busy/idle p99 any framework can reach
-here. ``ping_during(ns, there, seconds)`` runs it; the ends in the namespace
+here. ``ping_during(ns, there, n)`` runs it; the ends in the namespace
 are started with ``ip netns exec`` and removed at the end, also on failure.
+
+``stripes(ns, there, nbytes)``: the same bytes over 1, 2 and 4 plain TCP
+streams at once (one sending process each): whether striping a transfer over
+several connections could beat one stream between these two network stacks.
 """
 
 from __future__ import annotations
@@ -33,6 +37,35 @@ _SERVER = textwrap.dedent(
             break
         if sys.argv[2] == "echo":
             conn.sendall(memoryview(buf)[:n])
+    """
+)
+
+# A sink for many connections at once (one thread each), until killed.
+_MULTI_SINK = textwrap.dedent(
+    """
+    import socket, sys, threading
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((sys.argv[1], 0)); srv.listen(16)
+    print(srv.getsockname()[1], flush=True)
+    def serve(c):
+        buf = bytearray(4 << 20)
+        while c.recv_into(buf):
+            pass
+        c.close()
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+    """
+)
+
+# Sends N bytes to HOST:PORT once a line arrives on stdin, then waits for the sink to close.
+_ONE_SHOT = textwrap.dedent(
+    """
+    import socket, sys
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+    data = bytes(int(sys.argv[3]))
+    sys.stdin.readline()
+    s.sendall(data); s.shutdown(socket.SHUT_WR); s.recv(1)
     """
 )
 
@@ -88,3 +121,26 @@ def ping_during(ns: str, there: str, n: int) -> dict[str, Any]:
         for p in procs:
             p.kill()
             p.wait(timeout=30)
+
+
+def stripes(ns: str, there: str, nbytes: int, counts: tuple[int, ...] = (1, 2, 4)) -> dict[str, float]:
+    """GB/s moving ``nbytes`` over each of ``counts`` parallel streams (``nbytes / n`` each)."""
+    sink = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", _MULTI_SINK, there], stdout=subprocess.PIPE, text=True)
+    out: dict[str, float] = {}
+    try:
+        port = int(sink.stdout.readline())  # type: ignore[union-attr]
+        for n in counts:
+            senders = [subprocess.Popen([sys.executable, "-c", _ONE_SHOT, there, str(port), str(nbytes // n)],
+                                        stdin=subprocess.PIPE, text=True) for _ in range(n)]
+            time.sleep(0.5)  # connected and allocated: only the transfer is timed
+            t0 = time.perf_counter()
+            for p in senders:
+                p.stdin.write("go\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            for p in senders:
+                p.wait(timeout=300)
+            out[f"stripes_{n}_GBs"] = nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        sink.kill()
+        sink.wait(timeout=30)
+    return out

@@ -8,7 +8,8 @@ the namespace) and Monarch (``run_worker_loop_forever`` in the namespace,
 plain-socket echo in the same round, and noop p50/p99 idle and during large
 transfers on the same link; and the floor under that last figure: plain
 sockets, a 1-byte ping-pong idle and beside a bulk stream between separate
-processes (``bench._socket_noop``).
+processes, and one transfer striped over 1, 2 and 4 plain streams
+(``bench._socket_noop``).
 
 Monarch finds its own address from the host name, which both ends share on
 this one machine: each end runs under its own host name (``unshare -u``), and
@@ -31,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from ._socket_noop import ping_during
+from ._socket_noop import ping_during, stripes
 from .dataplane_bench import namespace, run
 
 _KEYS = ("echo_tensor_vs_socket", "echo_bytes_vs_socket", "echo_64MiB_tensor_GBs", "echo_64MiB_bytes_GBs", "socket_echo_64MiB_GBs",
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     with namespace() as (ns, here, there):
         for _ in range(args.rounds):
             load = os.getloadavg()[0]
-            one: dict[str, Any] = {"load_avg": load, "socket": ping_during(ns, there, 300 if args.quick else 1000)}
+            one: dict[str, Any] = {"load_avg": load, "socket": {**ping_during(ns, there, 300 if args.quick else 1000),
+                                                                **stripes(ns, there, (256 if args.quick else 1024) << 20)}}
             if "actormesh" in args.systems:
                 ours = run(args.quick, here, there, ns, ("echo", "noop"))
                 one["actormesh"] = {k: ours[k] for k in _KEYS}
