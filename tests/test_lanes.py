@@ -7,8 +7,10 @@ loopback, in one process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -106,6 +108,36 @@ async def _pair(on_frame: Any, max_frame: int = 1 << 30) -> tuple[Any, Any, Any]
     return listener, dialed, accepted[0]
 
 
+@contextlib.asynccontextmanager
+async def _connected(on_frame: Any, on_close: Any = None) -> AsyncIterator[tuple[Any, Any]]:
+    """A dialled and an accepted connection on loopback (frames to ``on_frame`` on the accepted one)."""
+    listener, dialed, accepted = await _pair(on_frame)
+    if on_close is not None:
+        accepted.rebind(on_frame=on_frame, on_close=on_close)
+    try:
+        yield dialed, accepted
+    finally:
+        dialed.abort()
+        accepted.abort()
+        listener.close()
+
+
+async def _until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)  # polling state another thread sets
+
+
+async def _lane_up(dialed: Any) -> None:
+    """Offer a lane and wait until the next large frame takes it (up, and the
+    frame that offered it, chunked on the connection, written)."""
+    dialed.send(_msg("warm", 2 * MiB), order_key="w")
+    await _until(lambda: dialed._lanes.send_lane is not None and dialed._lanes.send_lane.state == "up" and not dialed._out.chunked,
+                 "the lane")
+
+
 def _msg(tag: str, nbytes: int = 0) -> list[Any]:
     return [tag.encode(), bytes(nbytes)] if nbytes else [tag.encode(), b"x"]
 
@@ -120,17 +152,12 @@ def test_large_frames_take_the_lane_and_keep_their_order_with_small_ones_of_the_
             if got[-1][0] == "end":
                 done.set()
 
-        listener, dialed, accepted = await _pair(on_frame)
-        try:
+        async with _connected(on_frame) as (dialed, accepted):
             for i in range(3):  # frames before the lane existed count too (a lane frame's c)
                 dialed.send(_msg(f"before-{i}"), order_key="a")
             dialed.send(_msg("first-big", 2 * MiB), order_key="a")  # offers the lane, goes on the connection
-            for _ in range(200):
-                lane = dialed._lanes.send_lane
-                if lane is not None and lane.state == "up":
-                    break
-                await asyncio.sleep(0.01)  # the peer dials from its own thread
-            assert dialed._lanes.send_lane.state == "up"
+            await _until(lambda: dialed._lanes.send_lane is not None and dialed._lanes.send_lane.state == "up"
+                         and not dialed._out.chunked, "the lane")
             sent = []
             for i in range(12):
                 key = "ab"[i % 2] if i % 5 else None
@@ -148,10 +175,6 @@ def test_large_frames_take_the_lane_and_keep_their_order_with_small_ones_of_the_
             for key in ("a", "b"):
                 mine = [t for t, _ in received if t.endswith(f"-{key}") or t.endswith("-None")]
                 assert mine == [t for t, _ in sent if t.endswith(f"-{key}") or t.endswith("-None")]
-        finally:
-            dialed.abort()
-            accepted.abort()
-            listener.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
@@ -177,12 +200,7 @@ def test_a_small_frame_of_another_key_passes_a_large_one_on_the_lane() -> None:
 
         try:
             _lanes._read_frames = slow_read  # type: ignore[assignment]
-            dialed.send(_msg("warm", 2 * MiB), order_key="a")
-            for _ in range(200):
-                lane = dialed._lanes.send_lane
-                if lane is not None and lane.state == "up":
-                    break
-                await asyncio.sleep(0.01)
+            await _lane_up(dialed)
             await asyncio.wait_for(small.wait(), 10)  # "warm" went on the connection
             small.clear()
             dialed.send(_msg("big", 64 * MiB), order_key="a")
@@ -191,6 +209,7 @@ def test_a_small_frame_of_another_key_passes_a_large_one_on_the_lane() -> None:
             assert got[-1] == "small" and "big" not in got
             gate.set()
             await asyncio.wait_for(big.wait(), 30)
+            assert dialed._lanes.send_lane.sent == 1  # "big" went by the lane
         finally:
             gate.set()
             _lanes._read_frames = real_read  # type: ignore[assignment]
@@ -201,14 +220,6 @@ def test_a_small_frame_of_another_key_passes_a_large_one_on_the_lane() -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-async def _until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)  # polling state another thread sets
-
-
 def test_a_lane_nobody_dials_leaves_large_frames_on_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     from actormesh.transport import _lane_conn
 
@@ -217,8 +228,7 @@ def test_a_lane_nobody_dials_leaves_large_frames_on_the_connection(monkeypatch: 
 
     async def main() -> None:
         got: list[str] = []
-        listener, dialed, accepted = await _pair(lambda c, f: got.append(bytes(f[0]).decode()))
-        try:
+        async with _connected(lambda c, f: got.append(bytes(f[0]).decode())) as (dialed, accepted):
             dialed.send(_msg("big-0", 2 * MiB), order_key="a")
             await _until(lambda: dialed._lanes.send_lane is not None and dialed._lanes.send_lane.state == "failed",
                          "the offer to expire")
@@ -227,17 +237,8 @@ def test_a_lane_nobody_dials_leaves_large_frames_on_the_connection(monkeypatch: 
             dialed.send(_msg("end"), order_key="a")
             await _until(lambda: got and got[-1] == "end", "every frame")
             assert got == ["big-0", "big-1", "big-2", "big-3", "end"]
-        finally:
-            dialed.abort()
-            accepted.abort()
-            listener.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
-
-
-async def _lane_up(dialed: Any) -> None:
-    dialed.send(_msg("warm", 2 * MiB), order_key="w")
-    await _until(lambda: dialed._lanes.send_lane is not None and dialed._lanes.send_lane.state == "up", "the lane")
 
 
 def test_what_a_peer_wrote_on_its_lane_before_it_closed_still_arrives() -> None:
@@ -339,16 +340,11 @@ def test_a_stranger_at_the_offered_port_neither_gets_the_lane_nor_stops_the_peer
 
     async def main() -> None:
         got: list[str] = []
-        listener, dialed, accepted = await _pair(lambda c, f: got.append(bytes(f[0]).decode()))
-        try:
+        async with _connected(lambda c, f: got.append(bytes(f[0]).decode())) as (dialed, accepted):
             await _lane_up(dialed)
             dialed.send(_msg("by-lane", 2 * MiB), order_key="a")
             await _until(lambda: "by-lane" in got, "the frame")
             assert strangers == [b""] and dialed._lanes.send_lane.sent == 1
-        finally:
-            dialed.abort()
-            accepted.abort()
-            listener.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
