@@ -181,6 +181,22 @@ def test_published_weights_are_read_from_the_trainer_under_fsdp(spawn_procs: Any
     assert again.stamps == (2, 2) and registrations(again) == registrations(published)  # registered once, reused
 
 
+@pytest.mark.timeout(180)
+def test_published_weights_cover_the_model_once_under_fsdp_and_tp(spawn_procs: Any) -> None:
+    """A norm weight FSDP shards but TP does not lives on the dp_shard mesh, repeated along tp: published once."""
+    from actormesh.parallel import publish_weights, spawn_trainer
+    from actormesh.parallel._live import LiveSource
+
+    model = partial(hf_causal_lm, transformers.LlamaConfig(**dict(CONFIG, vocab_size=28)), "LlamaForCausalLM")  # tp divides it
+    trainer = spawn_trainer(spawn_procs(per_host={"gpus": 4}), model, grpo_loss, partial(torch.optim.AdamW, lr=1e-2),
+                            Plan(fsdp=2, tp=2), timeout=150)
+    published = publish_weights(trainer, version=1)
+    assert len(published.parts) == 4 and all(isinstance(source, LiveSource) for source, _ in published.parts)
+    full = gather_state_dict(trainer)
+    fetched = published.fetch()
+    assert sorted(fetched) == sorted(full) and all(torch.equal(fetched[k], full[k]) for k in full)
+
+
 def trainer_pid(loop: GRPOLoop, rank: int) -> int:
     infos = loop.trainer.info.call().get(timeout=60).values()
     return next(i["pid"] for i in infos if i["rank"] == rank)

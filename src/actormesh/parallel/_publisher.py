@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -43,15 +44,20 @@ def _local(t: Any) -> Any:
     return t if local is None else local
 
 
-def _select(state: dict[str, Any], first_copy: bool) -> list[Piece4]:
+def _select(state: dict[str, Any], first_copy: bool, coords: Mapping[str, int] | None = None) -> list[Piece4]:
     """The pieces this rank publishes: its shards, and its plain tensors if it holds their first copy."""
     from torch.distributed.tensor import DTensor
 
-    return [p for p in _pieces(state) if first_copy or isinstance(state[p[0]], DTensor)]
+    return [p for p in _pieces(state, coords or {}) if first_copy or isinstance(state[p[0]], DTensor)]
 
 
-def _pieces(state: dict[str, Any]) -> list[Piece4]:
-    """``(name, local tensor, global shape, global offset)`` of what this rank publishes (first holders only)."""
+def _pieces(state: dict[str, Any], coords: Mapping[str, int]) -> list[Piece4]:
+    """``(name, local tensor, global shape, global offset)`` of what this rank publishes (first holders only).
+
+    ``coords``: this rank's place along the trainer's mesh dimensions (``{"tp": 1, ...}``). A DTensor
+    is the same on every rank along a dimension its own mesh lacks (FSDP's shard of a norm weight
+    under FSDP x TP lives on the ``dp_shard`` mesh and is repeated along ``tp``): only coordinate 0 publishes it.
+    """
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -61,9 +67,12 @@ def _pieces(state: dict[str, Any]) -> list[Piece4]:
             out.append((name, tensor, tuple(tensor.shape), (0,) * tensor.dim()))
             continue
         mesh, placements = tensor.device_mesh, tensor.placements
-        coords = mesh.get_coordinate() or []
+        own = mesh.mesh_dim_names or ()
+        if any(c != 0 for dim, c in coords.items() if dim not in own):
+            continue
+        coord = mesh.get_coordinate() or []
         # along a replicated mesh dimension every rank holds the same piece: the first one publishes it
-        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coords)):
+        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coord)):
             continue
         local = tensor.to_local()
         _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
@@ -103,8 +112,10 @@ class Publisher:
         if counter is not None:
             counter.on_end.append(self._forget_if_moved)
 
-    def publish_chunks(self, chunks: list[Any], first_copy: bool = True) -> Reply | None:
+    def publish_chunks(self, chunks: list[Any], first_copy: bool = True, coords: Mapping[str, int] | None = None) -> Reply | None:
         """Publish the chunks' weights by the full model's names (DTensors stay sharded: nothing is gathered).
+
+        ``first_copy`` and ``coords`` say which copies this rank publishes (see :meth:`publish`, :func:`_pieces`).
 
         torch's sharded state dict (and each shard's place in its tensor) is
         worked out once and reused while the chunks hold the same tensors in
@@ -113,17 +124,18 @@ class Publisher:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         signature = _signature(chunks)
-        if self._memo is None or self._memo[0] != (signature, first_copy):
+        key = (signature, first_copy, sorted((coords or {}).items()))
+        if self._memo is None or self._memo[0] != key:
             state: dict[str, Any] = {}
             for chunk in chunks:
                 state.update(get_model_state_dict(chunk, options=StateDictOptions(full_state_dict=False)))
-            self._memo = ((signature, first_copy), _select(state, first_copy))
+            self._memo = (key, _select(state, first_copy, coords))
         pieces = self._memo[1]
         if self.counter is not None and pieces and self.live_ok(pieces, signature):
             self._chunks = list(chunks)
             params = {_local(p).data_ptr() for chunk in chunks for p in chunk.parameters()}
             self.buffers_live = any(local.numel() and local.data_ptr() not in params for _, local, _, _ in pieces)
-            return self._publish_live(pieces, (signature, first_copy))
+            return self._publish_live(pieces, key)
         return self._write(pieces)
 
     def publish(self, state: dict[str, Any], first_copy: bool = True) -> Reply | None:

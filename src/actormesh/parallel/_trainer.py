@@ -267,7 +267,8 @@ class Trainer(Actor):
 
         if self._publisher is None:  # from now on every change of the weights moves the counter
             self._publisher = Publisher(ChangeCounter())
-        return self._publisher.publish_chunks(self.chunks, first_copy=not (self.dp_rank or self.tp_rank))
+        coords = {dim: self.mesh[dim].get_local_rank() for dim in ("dp_replicate", "dp_shard", "tp")}
+        return self._publisher.publish_chunks(self.chunks, first_copy=not (self.dp_rank or self.tp_rank), coords=coords)
 
     @endpoint
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ or ``tcp`` forces that one (an error if it cannot reach the owner).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 from dataclasses import dataclass
@@ -206,15 +207,25 @@ class VmBackend:
         """``(handle, [(offset, local, nbytes)])`` reads from several buffers of one owner process in one
         scatter list; every registration is checked before the copy and after it (a drop may have torn it)."""
         handles = list({h.reg_id: h for h, _ in reads}.values())
-        for h in handles:
-            self._check_slot(h)
+        self._check_slots(handles)
         pairs = [(local, h.address + offset, n) for h, ranges in reads for offset, local, n in ranges]
         try:
             vm_copy_many(handles[0].pid, pairs, write=False, chunk=chunk_bytes(1 << 30), on_chunk=_progress(self.name))
         except OSError as exc:
             self._raise(handles[0], exc)
-        for h in handles:
-            self._check_slot(h)
+        self._check_slots(handles)
+
+    def _check_slots(self, handles: list[BufferHandle]) -> None:
+        """``_check_slot`` for many registrations of one process in one system call."""
+        words = (ctypes.c_uint64 * len(handles))()
+        base = ctypes.addressof(words)
+        try:
+            vm_copy_many(handles[0].pid, [(base + 8 * i, h.slot_address, 8) for i, h in enumerate(handles)], write=False)
+        except OSError as exc:
+            self._raise(handles[0], exc)
+        for h, word in zip(handles, words):
+            if word != h.reg_id:
+                raise dropped_or_gone(h)
 
 
 def read_many(backend: Backend, handle: BufferHandle, ranges: list[tuple[int, int, int]], deadline: float) -> None:

@@ -78,7 +78,8 @@ def _collect(fn: Any, group: Any, deadline: float, errors: list[BaseException]) 
 def _read_group(group: list[tuple[RDMABuffer, list[tuple[int, Region]]]], deadline: float) -> None:
     """One owner's reads: one scatter list when every buffer's first backend is ``vm``, else buffer by buffer."""
     vm = BACKENDS.get("vm")
-    if vm is not None and all(_backend_name(buf) == "vm" for buf, _ in group):
+    # one owner process: the same backends reach all its CPU buffers (asked once, not per buffer)
+    if vm is not None and _backend_name(group[0][0]) == "vm" and all(buf._handle.device == "cpu" for buf, _ in group):
         reads = [(buf._handle, [(offset, local.address, local.nbytes) for offset, local in regions if local.nbytes])
                  for buf, regions in group]
         try:
