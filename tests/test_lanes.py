@@ -286,8 +286,9 @@ def test_a_peer_gone_in_the_middle_of_a_lane_frame_fails_the_connection_not_a_ha
 
             _lanes._send_all = half_then_die  # type: ignore[assignment]
             try:
-                dialed.send(_msg("doomed", 16 * MiB), order_key="a")
+                flushed = dialed.send(_msg("doomed", 16 * MiB), order_key="a", wait_flushed=True)
                 await asyncio.wait_for(closed.wait(), 20)
+                assert await asyncio.to_thread(flushed.wait, 10)  # the sender is not left waiting on a dead lane
             finally:
                 _lanes._send_all = real  # type: ignore[assignment]
             assert "doomed" not in got

@@ -260,12 +260,14 @@ class SendLane:
                         return
                     self._busy = True
                 c, segments, event = item
-                _send_all(sock, [*encode_frame([_COUNT.pack(c)]), *encode_frame(segments)])
+                try:
+                    _send_all(sock, [*encode_frame([_COUNT.pack(c)]), *encode_frame(segments)])
+                finally:
+                    if event is not None:
+                        event.set()  # written, or never will be: the sender's memory is free either way
                 with self._ready:
                     self._busy = False
                     idle = not self._queue
-                if event is not None:
-                    event.set()
                 if idle:
                     self._on_idle()
         except OSError as exc:
