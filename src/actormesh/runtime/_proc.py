@@ -79,11 +79,9 @@ class ProcRuntime(Receiving):
         if job_dir is None:
             job_dir = make_job_dir()
         self.job_dir = job_dir
-        self.tls = tls
-        if tls is None and self.config.tls and self.transport == "tcp":
-            tls = self.tls = JobTLS.generate()
-        self._server_ssl = tls.server_context(job_dir) if tls else None
-        self._client_ssl = tls.client_context(job_dir) if tls else None
+        self.tls = tls if tls is not None or not (self.config.tls and self.transport == "tcp") else JobTLS.generate()
+        self._server_ssl = self.tls.server_context(job_dir) if self.tls else None
+        self._client_ssl = self.tls.client_context(job_dir) if self.tls else None
         self.loop_thread = LoopThread(f"actormesh-{name}-io")
         self.loop = self.loop_thread.loop
         self.parent_address = parent_address
@@ -110,6 +108,18 @@ class ProcRuntime(Receiving):
         #: start with the first spawn (_spawn.py).
         self.children: dict[str, ChildProc] = {}
         self.heartbeat: Heartbeat | None = None
+        self._no_handlers()
+        #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
+        self.hello_error: str | None = None
+        self._listen_address = listen_address
+        #: Large message buffers to same-host procs go through shared memory (transport/_shm.py).
+        self.shm = ShmPool(self.config.shm_threshold_bytes, self.config.shm_pool_bytes)
+        self._listener: Listener = self.loop_thread.run(self._listen(root_address), timeout=30)
+        #: Liveness of links to peers on other hosts (runtime/_links.py).
+        self.links = LinkWatch(self)
+        self.links.start()
+
+    def _no_handlers(self) -> None:
         # The handlers of the kinds that are neither calls nor replies, typed in
         # _receive.py; each is set by the part that owns its kind (cells, supervision,
         # spawning, stats, a gateway; the mesh layer's singletons and host agents).
@@ -122,15 +132,6 @@ class ProcRuntime(Receiving):
         self.on_join = []
         self.on_hello = None
         self.relay = refuse_relay
-        #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
-        self.hello_error: str | None = None
-        self._listen_address = listen_address
-        #: Large message buffers to same-host procs go through shared memory (transport/_shm.py).
-        self.shm = ShmPool(self.config.shm_threshold_bytes, self.config.shm_pool_bytes)
-        self._listener: Listener = self.loop_thread.run(self._listen(root_address), timeout=30)
-        #: Liveness of links to peers on other hosts (runtime/_links.py).
-        self.links = LinkWatch(self)
-        self.links.start()
 
     def __repr__(self) -> str:
         return f"<ProcRuntime {self.name} at {self.address}>"

@@ -278,14 +278,9 @@ async def connect(
     # The handshake deadline protects a listener from idle clients. A dialer
     # trusts the server it chose: a server slow to answer (e.g. a host agent
     # starting dozens of procs on few cores) gets the whole connect budget.
-    make = _factory(
-        secret,
-        True,
-        loop,
-        dict(max_frame_bytes=max_frame_bytes, handshake_timeout_s=max(handshake_timeout_s, timeout_s), on_frame=on_frame,
-             on_close=on_close, shm=shm, tune=functools.partial(tune_tcp, dead_after_s=dead_after_s),
-             lanes=0 if ssl_context else bulk_lane_bytes),
-    )
+    make = _factory(secret, True, loop, dict(
+        max_frame_bytes=max_frame_bytes, handshake_timeout_s=max(handshake_timeout_s, timeout_s), on_frame=on_frame, on_close=on_close,
+        shm=shm, tune=functools.partial(tune_tcp, dead_after_s=dead_after_s), lanes=0 if ssl_context else bulk_lane_bytes))
     deadline = loop.time() + timeout_s
     delay = 0.005
     refused_since = 0.0
