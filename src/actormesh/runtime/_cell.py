@@ -45,6 +45,7 @@ from . import _messages as M
 from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of
 from ._channel import Port
 from ._cell_async import _STOP, _SUPERVISE, Stop, Supervise, _DropPort, run_async
+from ._cell_end import CellEnding
 from ._cell_figures import CellFigures, now
 from ._loop import new_event_loop
 
@@ -70,7 +71,7 @@ def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
         return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), formatted))
 
 
-class Cell(CellFigures):
+class Cell(CellEnding, CellFigures):
     """One actor instance and the thread that runs it."""
 
     def __init__(self, runtime: ProcRuntime, env: M.Spawn, payload: Sequence[Segment]) -> None:
@@ -323,56 +324,6 @@ class Cell(CellFigures):
                 self.runtime.reply(env.reply, env.slot, M.OK, dumps(None))
 
         self._cleanup(None, stopped)
-
-    def _stop_owned(self, reason: str) -> None:
-        from ._supervision import stop_owned
-
-        try:
-            stop_owned(self.runtime, self.name, reason)
-        except Exception:
-            log.exception("stopping meshes owned by %s failed", self.display)
-
-    def _cleanup(self, exc: BaseException | None, finished: Callable[[], None] | None = None) -> None:
-        """Stop owned meshes, then run a sync ``__cleanup__`` (on this, the actor's
-        thread) within its deadline; ``finished`` runs once, when the cleanup
-        returns or when its deadline passes (then from a timer thread, the
-        cleanup left running: the actor counts as done all the same)."""
-        self._stop_owned("its owner stopped" if exc is None else "its owner failed")
-        once = threading.Lock()
-
-        def finish() -> None:
-            if once.acquire(blocking=False) and finished is not None:
-                finished()
-
-        if self.instance is None or not _overrides(type(self.instance), "__cleanup__"):
-            finish()
-            return
-        budget = self.cleanup_budget()
-
-        def overran() -> None:
-            log.warning("__cleanup__ of %s did not finish within %.1fs (cleanup_timeout); going on without it", self.display, budget)
-            finish()
-
-        timer = threading.Timer(budget, overran)
-        timer.daemon = True
-        timer.start()
-        # A stop is not a message to one point: the cleanup sees the actor's own rank.
-        token = _message_rank.set(self.rank_raw)
-        try:
-            self.instance.__cleanup__(exc)
-        except Exception:
-            log.exception("__cleanup__ of %s raised", self.display)
-        finally:
-            _message_rank.reset(token)
-            timer.cancel()
-            finish()
-
-    def cleanup_budget(self) -> float:
-        """Seconds ``__cleanup__`` may still take: up to the stop deadline, else cleanup_timeout."""
-        timeout = self.runtime.config.cleanup_timeout
-        if self.stop_deadline is None or self.status == "failed":
-            return timeout
-        return max(0.0, min(timeout, self.stop_deadline - time.monotonic()))
 
     def _fail(self, cause: str, run_cleanup: bool = True, reply: tuple[Any, int] | None = None) -> None:
         """Mark the actor failed; tell the owner, then ``reply`` (a waiting caller), then clean up.
