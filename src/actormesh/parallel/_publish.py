@@ -97,9 +97,10 @@ class PublishedWeights:
         return out
 
     def fetch(self, timeout_s: float = 300.0, latest: bool = True) -> dict[str, Any]:
-        """The trainer's latest weights here, in new tensors (:meth:`read_into`; ``latest=False``: this version
-        only): at least this version, whole; RDMAError (OwnerGoneError, ...) if a publishing rank is gone, BufferDroppedError
-        if a copied part was published over twice, RDMATimeoutError if the weights kept changing."""
+        """The weights here, in new tensors (:meth:`read_into`): by default the trainer's latest, at least
+        this version, whole (``latest=False``: this version only). RDMAError (OwnerGoneError, ...) if a
+        publishing rank is gone, BufferDroppedError if a copied part was published over twice since (or,
+        exact, anything changed), RDMATimeoutError if the weights kept changing for ``timeout_s``."""
         import torch
 
         out = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in self.meta().items()}
@@ -145,7 +146,9 @@ class PublishedWeights:
                 break
             if not loose:
                 self._readable(after, loose)  # raises: the version was changed or published over during the read
-            # latest: a change overlapped the read: read again (bounded by the deadline above)
+            if time.monotonic() > deadline:  # latest: a change overlapped every read so far
+                raise self._still_changing(after, timeout_s)
+            # latest: a change overlapped the read: read again
         for _, later, _ in plans:
             for temp, dst, index, dtype, shape in later:
                 dst[index].copy_(temp.view(dtype).view(shape))

@@ -148,7 +148,12 @@ class Publisher:
 
     @staticmethod
     def live_ok(pieces: list[Piece4], signature: list[tuple[int, int]]) -> bool:
-        """Whether every piece can be read in place: a contiguous CPU tensor in the model's own memory."""
+        """Whether every piece can be read in place: a contiguous CPU tensor in the model's own memory.
+
+        CPU only: a GPU's writes (an optimizer step's kernels) finish after the
+        call that queued them, so the counter would go even too early, and a
+        same-host peer cannot read device memory with process_vm_readv anyway.
+        """
         own = {ptr for _, ptr in signature}
         return all(local.device.type == "cpu" and local.is_contiguous() and (local.numel() == 0 or local.data_ptr() in own)
                    for _, local, _, _ in pieces)
