@@ -214,3 +214,13 @@ def test_a_buffer_a_forward_pass_updates_widens_the_change_to_the_whole_step() -
     published(1, plain)
     with changing(plain.publisher, forward=True):  # parameters only: a forward pass changes nothing published
         assert plain.publisher.counter is not None and plain.publisher.counter.value == 0
+
+
+def test_a_closed_publisher_drops_its_registrations_and_its_readers_fail_clearly() -> None:
+    """A trainer that stops drops its registrations (they hold the parameters' memory)."""
+    rank = Rank()
+    handle = published(1, rank)
+    rank.publisher.close()
+    rank.publisher.close()  # idempotent
+    with pytest.raises(BufferDroppedError, match="dropped"):
+        handle.fetch()

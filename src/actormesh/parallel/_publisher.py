@@ -174,6 +174,17 @@ class Publisher:
             self._drop_live()
             self._memo = None
 
+    def close(self) -> None:
+        """Drop every registration (parameters, copy buffers, counter): readers then get BufferDroppedError,
+        and the memory is free once the trainer lets go of it. Idempotent."""
+        self._drop_live()
+        for buf, _ in self._slots:
+            buf.drop()
+        self._slots.clear()
+        self._memo = None
+        if self.counter is not None:
+            self.counter.buffer.drop()
+
     def _drop_live(self) -> None:
         if self._live is not None:
             for buf in self._live[1].buffers:

@@ -303,6 +303,8 @@ class Trainer(Actor):
         from ..spmd import destroy_process_group
 
         self.schedule = None
+        if self._publisher is not None:  # registrations hold the parameters' memory: a later trainer here needs it back
+            self._publisher.close()
         self.stages.clear()
         self.chunks.clear()
         self.optimizers.clear()
