@@ -197,6 +197,29 @@ def test_published_weights_cover_the_model_once_under_fsdp_and_tp(spawn_procs: A
     assert sorted(fetched) == sorted(full) and all(torch.equal(fetched[k], full[k]) for k in full)
 
 
+@pytest.mark.timeout(240)
+def test_a_generator_rebuilt_after_the_trainer_moved_on_loads_the_trainers_weights() -> None:
+    """The last push was published in place; the trainer has stepped since: a rebuilt replica's setup
+    reads that handle's *latest* weights (whole, the trainer's current ones) instead of failing."""
+    from conftest import wait_for
+
+    config = GRPOConfig(group_size=4, prompts_per_step=2, max_tokens=1)
+    with GRPOLoop(MODEL, letter_reward, prompts, config, partial(torch.optim.AdamW, lr=5e-2), trainer_plan=Plan(fsdp=2),
+                  generator_replicas=1, max_slots=8, timeout_s=120) as loop:
+        loop.step()  # pushes version 1
+        pushed = gather_state_dict(loop.trainer)
+        samples = [Sample([26, i], [i + 1], [-1.0], 0, advantage=1.0 if i % 2 else -1.0) for i in range(4)]
+        loop.trainer.step.call(pack_batch(samples)).get(timeout=60)  # the trainer moves past version 1
+        current = gather_state_dict(loop.trainer)
+        assert not all(torch.equal(current[k], pushed[k]) for k in current)
+        service = loop.generator.service
+        before = service.replicas()[0]
+        assert service.restart_replica(before.slot, before.generation, "test: rebuild")
+        wait_for(lambda: loop.generator.healthy() and service.replicas()[0].generation > before.generation, timeout=120)
+        probes = [[26, i] for i in range(26)]
+        assert [asyncio.run(greedy(loop.generator, p)) for p in probes] == [local_greedy(current, p) for p in probes]
+
+
 def trainer_pid(loop: GRPOLoop, rank: int) -> int:
     infos = loop.trainer.info.call().get(timeout=60).values()
     return next(i["pid"] for i in infos if i["rank"] == rank)
