@@ -199,21 +199,21 @@ def test_what_cannot_be_read_in_place_is_copied_and_outlives_a_change() -> None:
 
 
 def test_a_buffer_a_forward_pass_updates_widens_the_change_to_the_whole_step() -> None:
-    rank = Rank()
-    rank.model.append(torch.nn.BatchNorm1d(8))  # its running statistics change in a training forward pass
-    published(1, rank)
-    assert rank.publisher.buffers_live
-    counter = rank.publisher.counter
-    assert counter is not None
-    with changing(rank.publisher, forward=True):
-        assert counter.value % 2 == 1
-        with changing(rank.publisher):  # the optimizer step inside it: nested, no second move
-            assert counter.value == 1
-    assert counter.value == 2
-    plain = Rank()
+    """As the trainer's step does it: a bracket from the forward pass, the optimizer step's nested in it. A rank
+    that publishes buffers and one that does not (FSDP: plain buffers from rank 0 only) both move by one change."""
+    with_buffers, plain = Rank(), Rank()
+    with_buffers.model.append(torch.nn.BatchNorm1d(8))  # its running statistics change in a training forward pass
+    published(1, with_buffers)
     published(1, plain)
-    with changing(plain.publisher, forward=True):  # parameters only: a forward pass changes nothing published
-        assert plain.publisher.counter is not None and plain.publisher.counter.value == 0
+    assert with_buffers.publisher.buffers_live and not plain.publisher.buffers_live
+    for rank, odd_in_forward in ((with_buffers, True), (plain, False)):
+        counter = rank.publisher.counter
+        assert counter is not None
+        with changing(rank.publisher, forward=True):
+            assert counter.value % 2 == odd_in_forward  # forward: changing only where buffers are published
+            with changing(rank.publisher):  # the optimizer step
+                assert counter.value == 1
+        assert counter.value == 2
 
 
 def test_a_closed_publisher_drops_its_registrations_and_its_readers_fail_clearly() -> None:

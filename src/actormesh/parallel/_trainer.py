@@ -202,19 +202,20 @@ class Trainer(Actor):
         x, y = self._local_batch(batch)
         autocast = precision_context(opts, plan, self.device)
         loss: float | None
-        with changing(self._publisher, forward=True):  # published buffers a forward pass may update (none: nothing)
+        # One change per step on every rank (equal counters, see _live): from the forward pass if buffers are published
+        with changing(self._publisher, forward=True):
             if self.schedule is None:
                 loss = forward_backward(self.chunks[0], self.loss_fn, x, y, accum, autocast, plan.uses_ddp)
             else:
                 loss = pipeline_step(self.schedule, self.stages, x, y, accum, autocast, pipeline_loss_scale(plan, accum))
-        params = [p for chunk in self.chunks for p in chunk.parameters()]
-        pp_group = self.mesh["pp"].get_group() if plan.pp > 1 else None
-        grad_norm = clip_grad_norm(params, opts.max_grad_norm, pp_group, self.device)
-        lr = float(self.optimizers[0].param_groups[0]["lr"])
-        with changing(self._publisher):  # readers of the published weights wait or fail, never mix (see _live)
-            for opt in self.optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            params = [p for chunk in self.chunks for p in chunk.parameters()]
+            pp_group = self.mesh["pp"].get_group() if plan.pp > 1 else None
+            grad_norm = clip_grad_norm(params, opts.max_grad_norm, pp_group, self.device)
+            lr = float(self.optimizers[0].param_groups[0]["lr"])
+            with changing(self._publisher):  # nested in the one above when that one began: no second move
+                for opt in self.optimizers:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
         for sched in self.schedulers:
             sched.step()
         self.steps += 1
