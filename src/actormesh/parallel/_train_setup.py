@@ -13,10 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..mesh import ProcMesh
 from ._plan import Plan, PlanError
+from ._train_options import TrainOptions
 from ._train_checkpoint import model_shapes
 
-__all__ = ["ModelProbe", "probe_model"]
+__all__ = ["ModelProbe", "check_trainer_args", "probe_model"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +56,19 @@ def probe_model(model_fn: Callable[[], Any], plan: Plan, stage_ranges: Sequence[
         assert n_blocks is not None
         stages = equal_stages(n_blocks, plan.n_stages) if stage_ranges is None else check_stages(stage_ranges, n_blocks, plan.n_stages)
     return ModelProbe(stages, sum(p.numel() for p in probe.parameters()), model_shapes(probe))
+
+
+def check_trainer_args(procs: Any, plan: Any, fns: tuple[Any, Any, Any], options: Any, data: Any) -> None:
+    """TypeError or PlanError for arguments of spawn_trainer that cannot work, before anything is spawned."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an actormesh.parallel.Plan, got {type(plan).__name__}")
+    if not isinstance(procs, ProcMesh):
+        raise TypeError(f"spawn_trainer needs a ProcMesh (this_host().spawn_procs(...)), got {type(procs).__name__}")
+    for label, fn in zip(("model_fn", "loss_fn", "optimizer_fn"), fns):
+        if not callable(fn):
+            raise TypeError(f"{label} must be callable, got {fn!r}")
+    if data is not None and not callable(data):
+        raise TypeError(f"data must be a factory (dp_rank=, dp_size=, start_step=) -> iterable of (inputs, targets), got {data!r}")
+    if options is not None and not isinstance(options, TrainOptions):
+        raise TypeError(f"options must be an actormesh.parallel.TrainOptions, got {type(options).__name__}")
+    plan.check_world(len(procs))

@@ -29,7 +29,7 @@ from ._publisher import Publisher, changing
 from ._train_data import DataFactory, RankData
 from ._train_figures import StepFigures, state_bytes
 from ._train_options import TrainOptions
-from ._train_setup import probe_model
+from ._train_setup import check_trainer_args, probe_model
 
 __all__ = ["Trainer", "spawn_trainer", "gather_state_dict", "publish_weights"]
 
@@ -359,18 +359,7 @@ def spawn_trainer(
     from ..spmd import setup_torch_elastic_env
 
     plan = Plan() if plan is None else plan
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be an actormesh.parallel.Plan, got {type(plan).__name__}")
-    if not isinstance(procs, ProcMesh):
-        raise TypeError(f"spawn_trainer needs a ProcMesh (this_host().spawn_procs(...)), got {type(procs).__name__}")
-    for label, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
-        if not callable(fn):
-            raise TypeError(f"{label} must be callable, got {fn!r}")
-    if data is not None and not callable(data):
-        raise TypeError(f"data must be a factory (dp_rank=, dp_size=, start_step=) -> iterable of (inputs, targets), got {data!r}")
-    if options is not None and not isinstance(options, TrainOptions):
-        raise TypeError(f"options must be an actormesh.parallel.TrainOptions, got {type(options).__name__}")
-    plan.check_world(len(procs))
+    check_trainer_args(procs, plan, (model_fn, loss_fn, optimizer_fn), options, data)
     setup_torch_elastic_env(procs, timeout=min(timeout, 120.0))
     trainer = cast("ActorMesh[Trainer]", procs.spawn(name, Trainer, model_fn, loss_fn, optimizer_fn, plan, stages, seed, pg_timeout_s,
                                                            options, data))
