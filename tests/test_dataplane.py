@@ -8,6 +8,8 @@ the huge-page minimum (4 MiB) and the receive buffer (256 KiB).
 
 from __future__ import annotations
 
+import sys
+
 import random
 import struct
 import zlib
@@ -167,6 +169,37 @@ def test_received_segments_are_uninitialised_only_until_filled(kind: int) -> Non
     view[:] = _pattern(5 * MiB, 3)
     assert bytes(obj) == _pattern(5 * MiB, 3)
     assert type(obj) is {0: memoryview, 1: bytes, 2: bytearray}[kind]
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="anonymous mappings and /proc/self/maps are Linux's")
+def test_a_large_received_tensor_buffer_is_its_own_mapping_unmapped_with_its_last_view() -> None:
+    import ctypes
+
+    import torch
+
+    obj, view = _buffers.alloc_segment(64 * MiB, _buffers.KIND_VIEW)
+    view[:] = _pattern(64 * MiB, 5)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(obj))
+    tensor = torch.frombuffer(obj, dtype=torch.uint8)  # what the codec hands a caller
+    del obj, view
+    assert _mapped(address) and bytes(tensor[:16].numpy()) == _pattern(64 * MiB, 5)[:16]
+    unmapped: list[int] = []
+    real = _buffers._munmap
+    _buffers._munmap = lambda a, n: unmapped.append(n) or real(a, n)  # type: ignore[assignment]
+    try:
+        del tensor
+    finally:
+        _buffers._munmap = real  # type: ignore[assignment]
+    assert unmapped == [64 * MiB] and not _mapped(address)
 
 
 # -- what goes to the socket next (transport._outgoing) ------------------------------------------

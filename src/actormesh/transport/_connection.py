@@ -105,6 +105,7 @@ class Connection(Sending, asyncio.BufferedProtocol):
         #: Frames of ``lanes`` bytes or more on a second TCP connection (see _lanes.py; 0: none): set up in connection_made.
         self._lanes: ConnectionLanes | None = None
         self._want_lanes = lanes
+        self._aborted = False
 
     def __repr__(self) -> str:
         return f"<Connection peer={self.peer_name} ready={self.ready.done()} closed={self.closed}>"
@@ -236,7 +237,7 @@ class Connection(Sending, asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
-        if self._lanes is not None and self._lanes.connection_lost(lambda: self._lost(exc), clean=exc is None):
+        if self._lanes is not None and self._lanes.connection_lost(lambda: self._lost(exc), clean=exc is None and not self._aborted):
             return  # what the peer wrote on its lane before it closed may still come
         self._lost(exc)
 
@@ -287,6 +288,7 @@ class Connection(Sending, asyncio.BufferedProtocol):
 
     def _abort(self, exc: BaseException) -> None:
         if self._transport is not None and not self.closed:
+            self._aborted = True  # dropped here: nothing more is waited for, lanes included
             self._transport.abort()
 
     def abort(self) -> None:
