@@ -83,6 +83,20 @@ def test_every_interleaving_of_arrival_keeps_the_send_order_where_it_was_asked_f
         assert pos["c1"] < pos["L1"] and pos["c2"] < pos["L2"] < pos["c3"], events
 
 
+def test_what_a_peer_can_make_the_merge_hold_is_bounded() -> None:
+    m = LaneMerger(lambda f: None, max_held=3, max_bulk=2)
+    m.barrier(1)  # a barrier the lane never meets
+    m.control("a")
+    m.control("b")
+    with pytest.raises(ProtocolError, match="held behind a barrier"):
+        m.control("c")
+    m = LaneMerger(lambda f: None, max_held=3, max_bulk=2)
+    m.bulk(5, "L1")  # lane frames sent after connection frames that never come
+    m.bulk(5, "L2")
+    with pytest.raises(ProtocolError, match="never came"):
+        m.bulk(5, "L3")
+
+
 def test_lane_messages_round_trip_and_garbage_is_a_protocol_error() -> None:
     token = bytes(range(32))
     assert parse_lane_message([lane_message("offer", 4242, token)]) == ("offer", 4242, token)
@@ -388,3 +402,25 @@ def test_an_offer_that_reaches_some_other_listener_costs_the_lane_not_the_connec
             other.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_peer_that_makes_this_side_hold_too_much_loses_its_connection_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    from actormesh.transport import _lane_conn
+    from actormesh.transport._frames import FLAG_LANE
+
+    monkeypatch.setattr(_lane_conn, "LaneMerger", functools.partial(LaneMerger, max_held=4))
+
+    async def main() -> None:
+        closed = asyncio.Event()
+        async with _connected(lambda c, f: None, on_close=lambda c, e: closed.set()) as (dialed, accepted):
+            async with _connected(lambda c, f: None) as (other, other_accepted):
+                dialed._outbox.append(([lane_message("barrier", 10**9)], FLAG_LANE, None, None))  # never met
+                dialed._flush()
+                for i in range(6):
+                    dialed.send(_msg(f"held-{i}"))
+                await asyncio.wait_for(closed.wait(), 10)
+                assert not other.closed and not other_accepted.closed
+
+    asyncio.run(asyncio.wait_for(main(), 30))

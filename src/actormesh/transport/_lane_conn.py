@@ -108,8 +108,11 @@ class ConnectionLanes:
         if self._merger is None:
             self._received += 1  # the count a lane frame's c is compared with, from the start
             self._deliver(frame)
-        else:
+            return
+        try:
             self._merger.control(frame)
+        except ProtocolError as exc:
+            self._broken(exc)
 
     def lane_frame(self, frame: list[Segment]) -> None:
         """A ``FLAG_LANE`` frame from the connection; ProtocolError if it makes no sense."""
@@ -136,7 +139,15 @@ class ConnectionLanes:
             log.warning("dropping the payload of a frame from %s: %s", self._peer, frame.error)
             frame = [frame[0], LostPayload(frame.error)]  # type: ignore[list-item]  # as Connection does
         if self._merger is not None and not self._closed:
-            self._merger.bulk(c, frame)
+            try:
+                self._merger.bulk(c, frame)
+            except ProtocolError as exc:
+                self._broken(exc)
+
+    def _broken(self, exc: ProtocolError) -> None:
+        log.warning("closing connection from %s: %s", self._peer, exc)
+        self._closed = True
+        self._fail(exc)
 
     def _recv_ended(self, exc: BaseException | None) -> None:
         self._receiving = False

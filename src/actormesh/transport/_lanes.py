@@ -112,8 +112,11 @@ class LaneMerger:
     ['small', 'big', 'after']
     """
 
-    def __init__(self, deliver: Callable[[Any], None]) -> None:
+    def __init__(self, deliver: Callable[[Any], None], max_held: int = 1 << 20, max_bulk: int = 1024) -> None:
         self._deliver = deliver
+        # What a peer may make this side hold (a barrier never met, a lane frame after
+        # frames never sent): beyond it the peer is broken or hostile (ProtocolError).
+        self._max_held, self._max_bulk = max_held, max_bulk
         self.control_delivered = 0
         self.bulk_delivered = 0
         self._held: deque[tuple[bool, Any]] = deque()  # (is_barrier, frame or b), connection order
@@ -126,7 +129,7 @@ class LaneMerger:
 
     def control(self, frame: Any) -> None:
         if self._held:
-            self._held.append((False, frame))
+            self._hold((False, frame))
             return
         self.control_delivered += 1
         self._deliver(frame)
@@ -135,11 +138,18 @@ class LaneMerger:
 
     def barrier(self, b: int) -> None:
         if self._held or self.bulk_delivered < b:
-            self._held.append((True, b))
+            self._hold((True, b))
 
     def bulk(self, c: int, frame: Any) -> None:
+        if len(self._bulk) >= self._max_bulk:
+            raise ProtocolError(f"{len(self._bulk)} lane frames wait for connection frames that never came")
         self._bulk.append((c, frame))
         self._pump()
+
+    def _hold(self, item: tuple[bool, Any]) -> None:
+        if len(self._held) >= self._max_held:
+            raise ProtocolError(f"{len(self._held)} frames held behind a barrier that the lane never met")
+        self._held.append(item)
 
     def _pump(self) -> None:
         moved = True
