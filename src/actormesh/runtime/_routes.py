@@ -108,11 +108,29 @@ class Route:
             # tuple(): the wire form is the plain tuple (a plain one passes as itself).
             event = conn.send([_dumps(tuple(env), 5), *payload], wait_flushed=big, order_key=key)
         except TransportError as exc:
-            self._runtime.undeliverable(env, self.address, Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc))
+            reason = self._closed_under_us(conn, env, payload, exc)
+            if reason is not None:
+                self._runtime.undeliverable(env, self.address, reason)
             return
         if event is not None and not self._runtime.in_loop():
             # The payload's memory is referenced until the kernel has it.
             event.wait(self._runtime.config.message_delivery_timeout)
+
+    def _closed_under_us(self, conn: Connection, env: Envelope, payload: Sequence[Segment],
+                         exc: TransportError) -> Cause | None:
+        """The connection closed before the loop heard of it. A child's message is held
+        as if the loop had (see ``_peers.connection_closed``), so it fails with the exit
+        status its spawner reports, not a bare "connection lost" (None: held). Else
+        the cause to fail it with: the peer's known end, or the lost connection."""
+        with self._lock:
+            if self.dead is not None:
+                return self.dead
+            if self.child and (self.conn is None or self.conn is conn):
+                if len(payload) > 1:
+                    payload = [payload[0], *(bytearray(s) for s in payload[1:])]
+                self._pending.append((env, payload))
+                return None
+        return Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc)
 
     def publish(self, conn: Connection) -> None:
         """Make ``conn`` this route's connection (loop thread). First one wins."""
