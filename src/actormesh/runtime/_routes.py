@@ -108,9 +108,9 @@ class Route:
             # tuple(): the wire form is the plain tuple (a plain one passes as itself).
             event = conn.send([_dumps(tuple(env), 5), *payload], wait_flushed=big, order_key=key)
         except TransportError as exc:
-            reason = self._closed_under_us(conn, env, payload, exc)
-            if reason is not None:
-                self._runtime.undeliverable(env, self.address, reason)
+            lost = self._closed_under_us(conn, env, payload, exc)
+            if lost is not None:
+                self._runtime.undeliverable(env, self.address, lost)
             return
         if event is not None and not self._runtime.in_loop():
             # The payload's memory is referenced until the kernel has it.
