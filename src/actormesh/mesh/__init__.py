@@ -56,15 +56,10 @@ __all__ = [
 ]
 
 
-def _make_point(index: int, labels: tuple[str, ...], sizes: tuple[int, ...]) -> Point:
-    return Point(index, Extent(labels, sizes))
-
-
 def _on_runtime(rt: ProcRuntime) -> None:
     if rt.root_address == rt.address:
         install_singleton_handler(rt)
 
 
-_hooks.make_point = _make_point
 _hooks.proc_mesh_for = proc_mesh_for
 _hooks.on_runtime = _on_runtime

@@ -21,7 +21,7 @@ from typing import Any, TypeVar, Union
 __all__ = ["Extent", "Point", "Shape", "MeshTrait"]
 
 
-from ._extent import Extent, Point, _as_int, _check_ints, _check_labels, _row_major_strides  # noqa: F401  (re-exported)
+from ..extent import Extent, Point, as_int, check_ints, check_labels, row_major_strides  # noqa: F401  (re-exported)
 
 
 class Shape:
@@ -42,11 +42,11 @@ class Shape:
     __slots__ = ("_labels", "_offset", "_sizes", "_strides", "_nelements", "_rev", "_extent", "_decoder")
 
     def __init__(self, labels: Sequence[str], offset: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
-        labels = _check_labels(labels)
-        offset = _as_int(offset, "offset")
+        labels = check_labels(labels)
+        offset = as_int(offset, "offset")
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
-        self._init(labels, offset, _check_ints(sizes, labels, "sizes"), _check_ints(strides, labels, "strides"))
+        self._init(labels, offset, check_ints(sizes, labels, "sizes"), check_ints(strides, labels, "strides"))
         if self._nelements:
             self._build_decoder()  # validates that no two points share a rank
 
@@ -71,7 +71,7 @@ class Shape:
         # index_of decodes a rank greedily, largest stride first.  That is exact
         # iff every stride exceeds the span of all smaller-stride dims, which
         # also guarantees distinct points have distinct ranks.
-        local = _row_major_strides(self._sizes)
+        local = row_major_strides(self._sizes)
         dims = sorted(((st, sz, lo) for st, sz, lo in zip(self._strides, self._sizes, local) if sz > 1),
                       key=lambda d: -d[0])
         span = 0
@@ -87,12 +87,12 @@ class Shape:
     @classmethod
     def row_major(cls, labels: Sequence[str], sizes: Sequence[int], offset: int = 0) -> Shape:
         """Dense row-major shape: ``Shape.row_major(["h", "g"], [2, 4])`` has ranks ``offset..offset+7``."""
-        labels = _check_labels(labels)
-        sizes = _check_ints(sizes, labels, "sizes")
-        offset = _as_int(offset, "offset")
+        labels = check_labels(labels)
+        sizes = check_ints(sizes, labels, "sizes")
+        offset = as_int(offset, "offset")
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
-        return cls._make(labels, offset, sizes, _row_major_strides(sizes))
+        return cls._make(labels, offset, sizes, row_major_strides(sizes))
 
     @classmethod
     def unity(cls) -> Shape:
@@ -290,7 +290,7 @@ class Shape:
     def _is_dense(self) -> bool:
         # Size-1 dims never step, so their stride is irrelevant to density.
         return all(st == dense or sz == 1
-                   for st, sz, dense in zip(self._strides, self._sizes, _row_major_strides(self._sizes)))
+                   for st, sz, dense in zip(self._strides, self._sizes, row_major_strides(self._sizes)))
 
     def flatten(self, name: str) -> Shape:
         """Merge all dims into one named ``name``; only for dense (contiguous) views."""
@@ -298,7 +298,7 @@ class Shape:
             raise TypeError(f"flatten() needs a str dimension name, got {type(name).__name__} {name!r}")
         if not self._is_dense():
             raise ValueError(f"cannot flatten sparse mesh {self!r}: its ranks are not contiguous "
-                             f"(strides {list(self._strides)} != {list(_row_major_strides(self._sizes))}); "
+                             f"(strides {list(self._strides)} != {list(row_major_strides(self._sizes))}); "
                              "use split/rename instead")
         return Shape._make((name,), self._offset, (self._nelements,), (1,))
 

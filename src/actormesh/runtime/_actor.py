@@ -15,6 +15,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ..extent import Extent, Point
+
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
 
@@ -320,15 +322,20 @@ class Context:
         self.actor_instance = actor_instance
 
     @property
-    def message_rank(self) -> Any:
+    def message_rank(self) -> Point:
         """This actor's point within the slice the current message was sent to."""
-        from . import _hooks
-
         raw = _message_rank.get()
         if raw is None:
-            return _hooks.make_point(0, (), ())
-        return _hooks.make_point(*raw)
+            return _NO_RANK
+        return make_point(*raw)
 
 
+def make_point(rank: int, labels: tuple[str, ...], sizes: tuple[int, ...]) -> Point:
+    """The point that a message's raw rank ``(rank, labels, sizes)`` names."""
+    return Point(rank, Extent(labels, sizes))
+
+
+#: Outside any message (the client, a proc's own context): the one point of no dimensions.
+_NO_RANK = make_point(0, (), ())
 _message_rank: ContextVar[Any] = ContextVar("actormesh_message_rank", default=None)
 _context: ContextVar[Context | None] = ContextVar("actormesh_context", default=None)

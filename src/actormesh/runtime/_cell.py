@@ -42,7 +42,7 @@ from ..telemetry import FIGURES
 from ..telemetry import STATE as _TELEMETRY
 from ..transport import Segment, dumps, loads
 from . import _messages as M
-from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of
+from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of, make_point
 from ._channel import Port
 from ._cell_async import _STOP, _SUPERVISE, Stop, Supervise, _DropPort, run_async
 from ._cell_end import CellEnding
@@ -180,12 +180,7 @@ class Cell(CellEnding, CellFigures):
 
     # -- actor thread side --------------------------------------------------------------
     def _enter(self) -> bool:
-        try:
-            from . import _hooks
-
-            rank_point = _hooks.make_point(*self.rank_raw)
-        except Exception:
-            rank_point = self.rank_raw
+        rank_point = make_point(*self.rank_raw)
         inst = Instance(runtime=self.runtime, name=self.name, display=self.display, rank=rank_point, class_name="", cell=self)
         self.ctx = Context(inst)
         _context.set(self.ctx)

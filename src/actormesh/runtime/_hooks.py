@@ -14,8 +14,6 @@ def _missing(*_: Any, **__: Any) -> Any:
     raise RuntimeError("the actormesh.mesh layer is not loaded in this process; import actormesh.actor first")
 
 
-#: ``make_point(index, labels, sizes) -> Point``
-make_point: Callable[..., Any] = _missing
 #: ``proc_mesh_for(runtime) -> ProcMesh`` of that one process
 proc_mesh_for: Callable[..., Any] = _missing
 #: ``on_mesh_failure(runtime, failure) -> None``: record a failed rank on owned mesh state

@@ -1,6 +1,10 @@
 """Named sizes and coordinates: ``Extent`` (dims and sizes) and ``Point`` (a rank in an extent).
 
-Semantics mirror PyTorch Monarch 0.7.0 (``monarch._src.actor.shape``).
+A leaf, like ``errors`` and ``config``: plain values any layer may build. The
+runtime makes the ``Point`` of ``context().message_rank`` from the rank a message
+carries; the mesh layer builds its ``Shape`` on the same checks and re-exports
+both types (users import them from ``actormesh.actor``). Semantics mirror
+PyTorch Monarch 0.7.0 (``monarch._src.actor.shape``).
 """
 
 from __future__ import annotations
@@ -10,10 +14,10 @@ import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Extent", "Point"]
+__all__ = ["Extent", "Point", "as_int", "check_labels", "check_ints", "row_major_strides"]
 
 
-def _as_int(value: object, what: str) -> int:
+def as_int(value: object, what: str) -> int:
     """``operator.index`` with an error naming the argument. Bools are rejected:
     ``gpus=True`` is almost certainly a bug, not a request for index 1."""
     if isinstance(value, bool):
@@ -24,7 +28,8 @@ def _as_int(value: object, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
-def _check_labels(labels: Sequence[str]) -> tuple[str, ...]:
+def check_labels(labels: Sequence[str]) -> tuple[str, ...]:
+    """``labels`` as a tuple of distinct str; TypeError or ValueError naming the bad one."""
     # A bare str is a Sequence of characters; accepting it would silently make
     # one dimension per letter.
     if isinstance(labels, str):
@@ -39,21 +44,23 @@ def _check_labels(labels: Sequence[str]) -> tuple[str, ...]:
     return out
 
 
-def _check_ints(values: Iterable[int], labels: tuple[str, ...], what: str) -> tuple[int, ...]:
+def check_ints(values: Iterable[int], labels: tuple[str, ...], what: str) -> tuple[int, ...]:
+    """One int >= 0 per label (``what`` names them in errors: ``"sizes"``, ``"strides"``)."""
     if isinstance(values, str) or not isinstance(values, Iterable):
         raise TypeError(f"{what} must be a sequence of int, got {type(values).__name__} {values!r}")
     values = tuple(values)
     if len(values) != len(labels):
         raise ValueError(f"got {len(labels)} labels {list(labels)} but {len(values)} {what} {list(values)}; "
                          "pass one per label")
-    out = tuple(_as_int(v, f"{what[:-1]} of {label!r}") for v, label in zip(values, labels))
+    out = tuple(as_int(v, f"{what[:-1]} of {label!r}") for v, label in zip(values, labels))
     for v, label in zip(out, labels):
         if v < 0:
             raise ValueError(f"{what[:-1]} of {label!r} must be >= 0, got {v}")
     return out
 
 
-def _row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a dense row-major layout of ``sizes`` (the last dimension steps by 1)."""
     strides = [1] * len(sizes)
     acc = 1
     for i in range(len(sizes) - 1, -1, -1):
@@ -73,10 +80,10 @@ class Extent(Mapping[str, int]):
     __slots__ = ("_labels", "_sizes", "_index", "_strides", "_nelements")
 
     def __init__(self, labels: Sequence[str], sizes: Sequence[int]) -> None:
-        self._labels = labels = _check_labels(labels)
-        self._sizes = sizes = _check_ints(sizes, labels, "sizes")
+        self._labels = labels = check_labels(labels)
+        self._sizes = sizes = check_ints(sizes, labels, "sizes")
         self._index = {label: i for i, label in enumerate(labels)}  # O(1) lookups
-        self._strides = _row_major_strides(sizes)  # lets Point decode coords in O(1)
+        self._strides = row_major_strides(sizes)  # lets Point decode coords in O(1)
         self._nelements = math.prod(sizes)
 
     @property
@@ -135,7 +142,7 @@ class Point(Mapping[str, int]):
     __slots__ = ("_rank", "_extent")
 
     def __init__(self, rank: int, extent: Extent) -> None:
-        rank = _as_int(rank, "rank")
+        rank = as_int(rank, "rank")
         if not isinstance(extent, Extent):
             raise TypeError(f"extent must be an Extent, got {type(extent).__name__}")
         if not 0 <= rank < extent._nelements:
