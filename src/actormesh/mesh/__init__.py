@@ -1,7 +1,5 @@
 """Mesh layer: shapes, value meshes, proc/host/actor meshes and endpoint adverbs."""
 
-from ..runtime import ProcRuntime
-from ..runtime import hooks as _hooks
 from ._actor_mesh import ActorMesh
 from ._endpoint import Accumulator, Endpoint, NotAnEndpoint, as_endpoint, send
 from ._bootstrap import BootstrapCommand, default_bootstrap_cmd
@@ -9,7 +7,7 @@ from ._host_agent import serve_agent, shutdown_requested
 from ._logs import add_log_tap, remove_log_tap
 from ._host_mesh import HostMesh, this_host
 from ._proc_mesh import ProcMesh, proc_mesh_for, release_hosts, this_proc
-from ._singleton import get_or_spawn_controller, install_singleton_handler
+from ._singleton import get_or_spawn_controller
 from ._shape import Extent, MeshTrait, Point, Shape
 from ._value_mesh import ValueMesh
 from ._typed import EndpointProperty, concurrent_endpoint, endpoint
@@ -34,6 +32,7 @@ __all__ = [
     "BootstrapCommand",
     "default_bootstrap_cmd",
     "ProcMesh",
+    "proc_mesh_for",
     "release_hosts",
     "get_or_spawn_controller",
     "this_host",
@@ -55,11 +54,3 @@ __all__ = [
     "with_shape",
 ]
 
-
-def _on_runtime(rt: ProcRuntime) -> None:
-    if rt.root_address == rt.address:
-        install_singleton_handler(rt)
-
-
-_hooks.proc_mesh_for = proc_mesh_for
-_hooks.on_runtime = _on_runtime

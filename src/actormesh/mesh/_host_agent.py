@@ -231,10 +231,12 @@ def serve_agent(address: str, secret: bytes, controller: str | None = None, name
     ``tls`` (a ``JobTLS``), its TCP channels and its procs' use mutual TLS.
     """
     from ..runtime import ProcRuntime, serve_gateway, set_runtime
+    from ._singleton import install_singleton_handler
 
     transport = "unix" if address.startswith("unix:") else "tcp"
     rt = ProcRuntime(secret=secret, name=name or f"host-{socket.gethostname()}", listen_address=address, transport=transport, tls=tls)
     set_runtime(rt)
+    install_singleton_handler(rt)  # the agent is its procs' root: their get_or_spawn_controller comes here
     serve_gateway(rt)  # clients outside the job's network attach here (Monarch's attach())
     payload = dumps((HostAgent, (), {}))
     rt.spawn_actor(rt.address, AGENT_NAME, 0, (), (), None, None, f"<host_agent@{rt.address}>", False, payload)

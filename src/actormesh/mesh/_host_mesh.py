@@ -27,6 +27,7 @@ from ._logs import pump, sink
 from ._proc_mesh import ProcMesh, _event_port, _ProcMeshState, _remote_states, release_hosts
 from ._progress import progress
 from ._shape import Extent, MeshTrait, Point, Shape
+from ._singleton import install_singleton_handler
 from ._workspace import DEFAULT_EXCLUDE, WorkspaceSync, resolve_dirs, sync_workspace
 from ._workspace_reload import WorkspaceReloader
 
@@ -134,6 +135,7 @@ class HostMesh(MeshTrait):
         commands = proc_commands(points, bootstrap_command, binds, self._python, local=not self._agents)
         base = name or "anon"
         rt = current_runtime()
+        install_singleton_handler(rt)  # before its first proc can ask the root for one
         me = context().actor_instance
         owner = me.name if me.is_actor else CLIENT_NAME
         if self._agents:

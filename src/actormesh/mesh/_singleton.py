@@ -57,7 +57,13 @@ def get_or_spawn_controller(name: str, Class: type[T], *args: Any, **kwargs: Any
 
 
 def install_singleton_handler(rt: ProcRuntime) -> None:
-    """Serve get_or_spawn_controller requests from workers (root only)."""
+    """Serve get_or_spawn_controller requests from workers, if ``rt`` is a root.
+
+    Called by the code that makes a root's workers (spawning procs, starting a host
+    agent) before the first of them exists; a no-op for a non-root or a second call.
+    """
+    if rt.root_address != rt.address or rt.on_singleton is not None:
+        return
 
     def on_singleton(env: Any, payload: Any) -> None:
         from ..transport import loads

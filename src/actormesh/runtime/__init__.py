@@ -1,7 +1,6 @@
 """Runtime layer: one process's actors, mailboxes, ports, futures, supervision and
 child procs. Knows nothing of meshes; the mesh layer builds on what is exported here."""
 
-from . import _hooks as hooks
 from . import _launch as launch
 from . import _messages as messages
 from ._actor import (
@@ -32,7 +31,6 @@ from ._supervision import (CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy
                            set_fault_hook, stop_mesh)
 
 __all__ = [
-    "hooks",
     "messages",
     "launch",
     "Actor",

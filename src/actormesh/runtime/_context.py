@@ -29,13 +29,12 @@ def _client_display() -> str | None:
 
 
 def _install(rt: ProcRuntime) -> None:
-    from . import _cell, _hooks, _log_prefix, _stats, _supervision
+    from . import _cell, _log_prefix, _stats, _supervision
 
     _log_prefix.install(_client_display)
     _cell.install(rt)
     _stats.install(rt)
     _supervision.install(rt)
-    _hooks.on_runtime(rt)
 
 
 def set_runtime(rt: ProcRuntime) -> None:

@@ -124,6 +124,10 @@ class Receiving(Verbs):
         elif kind == M.SINGLETON:
             if self.on_singleton is not None:
                 self.on_singleton(env, payload)
+            else:  # answered, so that the asker fails instead of waiting for ever
+                self._fail_reply(env, M.ERROR, error_payload(RuntimeError(
+                    f"get_or_spawn_controller({env.name!r}): the process at {self.address} serves no singletons "
+                    "(it spawned no procs through a host mesh, nor is it a host agent)")))
         elif kind == M.PING:
             if conn is not None:
                 conn.send([M.PONG_BYTES])
