@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
     result["wall_s"] = time.perf_counter() - t0
+    if impl == "actormesh":  # what lives as long as the runtime (its zygote) ends with it
+        from actormesh.actor import shutdown_context
+
+        shutdown_context()
     result["leftover_procs"] = _leftovers()
     faulthandler.cancel_dump_traceback_later()
     tmp = args.out + ".tmp"

@@ -59,6 +59,12 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultRecorder]:
     yield recorder
 
 
+def _our_zygote(me: psutil.Process, p: psutil.Process) -> bool:
+    """This process's zygote lives as long as its runtime (tests/test_zygote.py checks
+    that it goes with it); the workers it forks are leaks like any other."""
+    return p.ppid() == me.pid and "actormesh.zygote" in p.cmdline()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes() -> Iterator[None]:
     """Fail a test that leaves a child process running (and kill the leftovers)."""
@@ -70,7 +76,7 @@ def no_leaked_processes() -> Iterator[None]:
         alive = []
         for p in me.children(recursive=True):
             try:
-                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE:
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE and not _our_zygote(me, p):
                     alive.append(p)
             except psutil.NoSuchProcess:
                 pass

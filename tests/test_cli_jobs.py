@@ -91,8 +91,13 @@ from actormesh.job import load_current_job
 
 class Pid(Actor):
     @endpoint
-    def ppid(self):
-        return os.getppid()
+    def ppid(self):  # the host agent that spawned it: its parent, or its zygote's
+        parent = os.getppid()
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            if b"actormesh.zygote" not in f.read():
+                return parent
+        with open(f"/proc/{parent}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
 
 state = load_current_job().state()
 procs = state.trainers.spawn_procs(per_host={"gpus": 1})

@@ -465,10 +465,10 @@ def test_workers_die_when_the_controller_is_sigkilled(tmp_path, nested):
     pids: list[int] = []
     try:
         pids = _read_pids(proc, 2 if nested == "flat" else 4)
-        for pid in pids[:2]:
-            assert psutil.Process(pid).ppid() == proc.pid
-        for pid in pids[2:]:
-            assert psutil.Process(pid).ppid() in pids[:2]
+        for pid in pids[:2]:  # the controller's procs, forked by its zygote
+            assert psutil.Process(psutil.Process(pid).ppid()).ppid() == proc.pid
+        for pid in pids[2:]:  # procs spawned by those, forked by their own zygotes
+            assert psutil.Process(psutil.Process(pid).ppid()).ppid() in pids[:2]
         proc.kill()
         proc.wait(timeout=10)
         for pid in pids:

@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from .runtime import ProcRuntime
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Arm SIGKILL for when the thread that forked us ends; exit now if it has already."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
@@ -97,8 +98,16 @@ def _stop_when_asked(rt: ProcRuntime, stop: threading.Event) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.stdin.buffer.read())
-    _die_with_parent(spec["parent_pid"])
+    """``python -m actormesh.worker``: the bootstrap spec comes on stdin."""
+    serve(json.loads(sys.stdin.buffer.read()))
+
+
+def serve(spec: dict) -> NoReturn:
+    """Be the worker ``spec`` describes until told to stop; never returns.
+
+    ``main`` calls it in a fresh interpreter, the host's zygote in a forked one
+    (``actormesh.zygote``), where ``parent_pid`` is the zygote's."""
+    die_with_parent(spec["parent_pid"])
     os.chdir(spec["cwd"])
     for p in reversed(spec["sys_path"]):
         if p not in sys.path:
@@ -107,7 +116,7 @@ def main() -> None:
     from . import telemetry
     from .transport import JobTLS
     from .runtime import ProcRuntime, kill_all_children, set_runtime
-    import actormesh.mesh  # noqa: F401  (installs the mesh layer's hooks)
+    import actormesh.mesh  # noqa: F401  (what messages to actors refer to: meshes, ports)
     from .debug import install_breakpoint_hook
 
     install_breakpoint_hook()  # breakpoint() in an actor pauses it for the debug console

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ._heartbeat import Heartbeat
     from ._spawn import ChildProc
     from ._supervision import MeshRecord
+    from ._zygote import Zygote
 
 log = logging.getLogger("actormesh.runtime")
 
@@ -108,6 +109,8 @@ class ProcRuntime(Receiving):
         #: start with the first spawn (_spawn.py).
         self.children: dict[str, ChildProc] = {}
         self.heartbeat: Heartbeat | None = None
+        #: What this process's procs are forked from, once it spawns one (_zygote.py).
+        self.zygote: Zygote | None = None
         self._no_handlers()
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None

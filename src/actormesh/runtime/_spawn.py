@@ -34,6 +34,7 @@ from ._future import Future, gather
 from ._launch import ProcCommand, default_command
 from ._messages import Hello
 from ._routes import Route
+from ._zygote import ForkedProc, Zygote, zygote_available
 from ._heartbeat import Heartbeat
 from ._liveness import LivenessJudge, Policy, describe_exit, proc_available, read_proc
 
@@ -60,7 +61,8 @@ class ChildProc:
 
     name: str
     address: str
-    popen: subprocess.Popen[bytes] | None = None
+    #: How it was started: a fresh interpreter, or a fork of this host's zygote.
+    popen: subprocess.Popen[bytes] | ForkedProc | None = None
     ready: Future[Any] = field(default_factory=Future._create)
     exited: Future[Any] = field(default_factory=Future._create)
     stopping: bool = False
@@ -172,7 +174,9 @@ def spawn_children(
 
     def start() -> None:
         for child, command in zip(children, commands or [None] * len(children)):
-            _start_one(runtime, child, command or default_command(), blob_fn, launch_env, stdio, cfg.proc_spawn_timeout)
+            if command is None and not cfg.proc_zygote:
+                command = default_command()
+            _start_one(runtime, child, command, blob_fn, launch_env, stdio, cfg.proc_spawn_timeout)
 
     if runtime.in_loop():
         start()
@@ -184,13 +188,14 @@ def spawn_children(
 def _start_one(
     runtime: ProcRuntime,
     child: ChildProc,
-    command: ProcCommand,
+    command: ProcCommand | None,
     blob_fn: str | None,
     launch_env: dict[str, str],
     stdio: Callable[[ChildProc, Any, Any], None] | None,
     spawn_timeout_s: float,
 ) -> None:
-    """Start one worker (loop thread): its bootstrap goes to its stdin, never argv."""
+    """Start one worker (loop thread): forked by this host's zygote unless a command
+    of its own is asked for; its bootstrap never goes in argv or the environment."""
     spec = {
         "secret": runtime.secret.hex(),
         "name": child.name,
@@ -206,30 +211,75 @@ def _start_one(
         "tls": None if runtime.tls is None else [runtime.tls.ca_pem, runtime.tls.cert_pem, runtime.tls.key_pem],
     }
     try:
-        popen = subprocess.Popen(
-            list(command.argv),
-            executable=command.executable,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE if stdio else None,
-            stderr=subprocess.PIPE if stdio else None,
-            env=command.environment(os.environ, launch_env),
-            close_fds=True,
-        )
-        assert popen.stdin is not None
-        popen.stdin.write(json.dumps(spec).encode())
-        popen.stdin.close()
+        zygote = _zygote(runtime) if command is None else None
+        if zygote is not None:
+            _fork_one(runtime, child, zygote, spec, default_command().environment(os.environ, launch_env), stdio)
+        else:
+            _popen_one(runtime, child, command or default_command(), spec, launch_env, stdio)
     except OSError as exc:
-        runtime.peer_gone(child.address, Cause(f"could not start proc {child.name}: {exc}", CauseKind.UNREACHABLE, error=exc))
-        failed = RuntimeError(f"could not start proc {child.name}: {exc}")
-        failed.__cause__ = exc  # as ``raise ... from exc`` would: whoever waits on ready sees both
-        child.ready._set_exception(failed)
-        child.exited._set_result(None)
+        _start_failed(runtime, child, f"could not start proc {child.name}: {exc}", exc)
         return
+    runtime.loop.call_later(spawn_timeout_s, _check_started, runtime, child, spawn_timeout_s)
+
+
+def _start_failed(runtime: ProcRuntime, child: ChildProc, why: str, exc: BaseException | None = None) -> None:
+    runtime.peer_gone(child.address, Cause(why, CauseKind.UNREACHABLE, error=exc))
+    failed = RuntimeError(why)
+    failed.__cause__ = exc  # as ``raise ... from exc`` would: whoever waits on ready sees both
+    child.ready._set_exception(failed)
+    child.exited._set_result(None)
+
+
+def _popen_one(runtime: ProcRuntime, child: ChildProc, command: ProcCommand, spec: dict[str, Any],
+               launch_env: dict[str, str], stdio: Callable[[ChildProc, Any, Any], None] | None) -> None:
+    """A fresh interpreter: the bootstrap goes to its stdin."""
+    popen = subprocess.Popen(
+        list(command.argv),
+        executable=command.executable,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE if stdio else None,
+        stderr=subprocess.PIPE if stdio else None,
+        env=command.environment(os.environ, launch_env),
+        close_fds=True,
+    )
+    assert popen.stdin is not None
+    popen.stdin.write(json.dumps(spec).encode())
+    popen.stdin.close()
     child.popen = popen
     if stdio is not None:
         stdio(child, popen.stdout, popen.stderr)
     _watch(runtime, child)
-    runtime.loop.call_later(spawn_timeout_s, _check_started, runtime, child, spawn_timeout_s)
+
+
+def _zygote(runtime: ProcRuntime) -> Zygote | None:
+    if not zygote_available():
+        return None
+    if runtime.zygote is None:
+        runtime.zygote = Zygote(runtime.loop)
+    return runtime.zygote
+
+
+def _fork_one(runtime: ProcRuntime, child: ChildProc, zygote: Zygote, spec: dict[str, Any],
+              env: dict[str, str], stdio: Callable[[ChildProc, Any, Any], None] | None) -> None:
+    """A fork of the warm zygote: the bootstrap goes over its socket."""
+    def forked(proc: ForkedProc | None, error: str | None) -> None:
+        if proc is None:
+            _start_failed(runtime, child, f"could not start proc {child.name}: {error}")
+        else:
+            child.popen = proc
+
+    pipes = [os.pipe(), os.pipe()] if stdio is not None else []
+    try:
+        zygote.fork(spec, env, [w for _, w in pipes] or [1, 2], forked, lambda _: _exited(runtime, child, None))
+    except BaseException:
+        for r, _ in pipes:
+            os.close(r)
+        raise
+    finally:
+        for _, w in pipes:
+            os.close(w)
+    if stdio is not None:
+        stdio(child, os.fdopen(pipes[0][0], "rb"), os.fdopen(pipes[1][0], "rb"))
 
 
 def _check_started(runtime: ProcRuntime, child: ChildProc, timeout: float) -> None:
@@ -305,6 +355,7 @@ def kill_all_children(runtime: ProcRuntime, grace_s: float = 1.0) -> None:
     """At exit: ask every child to stop, then SIGKILL what is left (blocking)."""
     children = list(runtime.children.values())
     if not children:
+        _close_zygote(runtime)
         return
     fut = stop_children(runtime, children, grace_s)
     try:
@@ -318,3 +369,10 @@ def kill_all_children(runtime: ProcRuntime, grace_s: float = 1.0) -> None:
                 child.popen.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
+    _close_zygote(runtime)
+
+
+def _close_zygote(runtime: ProcRuntime) -> None:
+    zygote, runtime.zygote = runtime.zygote, None
+    if zygote is not None:
+        zygote.close()
