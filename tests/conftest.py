@@ -59,10 +59,11 @@ def faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultRecorder]:
     yield recorder
 
 
-def _our_zygote(me: psutil.Process, p: psutil.Process) -> bool:
-    """This process's zygote lives as long as its runtime (tests/test_zygote.py checks
-    that it goes with it); the workers it forks are leaks like any other."""
-    return p.ppid() == me.pid and "actormesh.zygote" in p.cmdline()
+def _kept_zygote(p: psutil.Process, owners: set[int]) -> bool:
+    """A zygote lives as long as the runtime of the process that started it (this one,
+    or a host agent that outlives the test): tests/test_zygote.py checks that it goes
+    with it. The workers it forks are leaks like any other."""
+    return p.ppid() in owners and "actormesh.zygote" in p.cmdline()
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +77,7 @@ def no_leaked_processes() -> Iterator[None]:
         alive = []
         for p in me.children(recursive=True):
             try:
-                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE and not _our_zygote(me, p):
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE and not _kept_zygote(p, before | {me.pid}):
                     alive.append(p)
             except psutil.NoSuchProcess:
                 pass
