@@ -142,17 +142,20 @@ class Endpoint(Generic[P, R]):
 
     def _one(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[R]:
         payload = self._prepare(args, kwargs)
-        problem = self._mesh._status_error(self._what, [index])
-        if problem:
-            return Future.failed(problem)
         mesh = self._mesh
-        g = mesh._shape.rank_at(index)
+        what = self._what
+        record = mesh._record
+        if record is None or record.stopped is not None or record.failed:  # else nothing to check: the hot path
+            problem = mesh._status_error(what, [index])
+            if problem:
+                return Future.failed(problem)
+        shape = mesh._shape
+        g = shape.rank_at(index)
         addr = mesh._addresses[g]
         rt = mesh._runtime()
-        port = OnePort(rt, self._what, addr, lambda _: mesh._member(g), index)
-        shape = mesh._shape
+        port = OnePort(rt, what, addr, lambda _: mesh._member(g), index)
         rt.call_actor(addr, mesh._mesh_name, self._prop.name, (rt.address, port.port_id), index, shape.labels, shape.sizes, payload)
-        mark_if_self_call(port.future, mesh._mesh_name, (addr,), self._what)
+        mark_if_self_call(port.future, mesh._mesh_name, (addr,), what)
         return port.future
 
     def stream(self, *args: P.args, **kwargs: P.kwargs) -> Iterator[Future[R]]:

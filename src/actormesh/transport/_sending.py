@@ -66,8 +66,11 @@ class Sending:
         if self.closed:
             raise TransportError(f"connection to {self.peer_name} is closed")
         flags = 0
-        if self.shm is not None and len(segments) > 1:
-            exported = self.shm.export(segments, self)
+        shm = self.shm
+        if shm is not None and len(segments) > 1 and not (
+                # The commonest frame, an envelope and a small pickle, skips the scan.
+                len(segments) == 2 and type(segments[1]) is bytes and len(segments[1]) < shm.threshold):
+            exported = shm.export(segments, self)
             if exported is not None:
                 # Copied into shared memory already: only small parts still reference the caller's memory.
                 manifest, rest = exported
