@@ -54,7 +54,7 @@ from ..errors import ProtocolError
 from ._buffers import KINDS, alloc_segment, kind_of
 from ._received import LaneFrame, LostFrame, Segment, ShmFrame, Assembly
 
-__all__ = ["FrameDecoder", "encode_frame", "encode_chunked", "chunk_header", "Segment", "PREFIX_BYTES", "FLAG_SHM",
+__all__ = ["FrameDecoder", "encode_frame", "encode_frame_sized", "encode_chunked", "chunk_header", "Segment", "PREFIX_BYTES", "FLAG_SHM",
            "FLAG_CHUNKED", "FLAG_CHUNK", "FLAG_LANE", "ShmFrame", "LaneFrame", "LostFrame", "BIG_BYTES", "seg_nbytes", "frame_tail"]
 
 
@@ -112,17 +112,24 @@ def encode_frame(segments: Sequence[Segment], flags: int = 0) -> list[Segment]:
     >>> b"".join(encode_frame([b"ab", b"c"]))[12 + 16:]
     b'abc'
     """
+    return encode_frame_sized(segments, flags)[0]
+
+
+def encode_frame_sized(segments: Sequence[Segment], flags: int = 0) -> tuple[list[Segment], int]:
+    """:func:`encode_frame`, and the frame's length in bytes (what a write must take)."""
     n = len(segments)
     if n == 2 and not flags:  # the common frame: envelope + small payload
         a, b = segments
         la = len(a) if type(a) is bytes else memoryview(a).nbytes
         lb = len(b) if type(b) is bytes else memoryview(b).nbytes
         if la + lb < _BIG_BYTES:
-            return [_TWO.pack(16 + la + lb, 2, la, lb), a, b]
+            return [_TWO.pack(16 + la + lb, 2, la, lb), a, b], _TWO.size + la + lb
     if n > _MAX_SEGMENTS:
         raise ValueError(f"a frame holds at most {_MAX_SEGMENTS} segments, got {n}")
     lens, table = _table(segments)
-    return [_PREFIX.pack(8 * n + sum(lens), n | flags << 16) + table, *segments]
+    body = sum(lens)
+    head = _PREFIX.pack(8 * n + body, n | flags << 16) + table
+    return [head, *segments], len(head) + body
 
 
 def encode_chunked(segments: Sequence[Segment]) -> tuple[bytes, int]:

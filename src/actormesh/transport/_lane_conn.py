@@ -22,6 +22,13 @@ from ._outgoing import Outgoing
 
 __all__ = ["ConnectionLanes"]
 
+
+def _nbytes(segments: Sequence[Segment]) -> int:
+    if len(segments) == 2:  # the commonest frame: no generator to size it
+        a, b = segments
+        return (len(a) if type(a) is bytes else memoryview(a).nbytes) + (len(b) if type(b) is bytes else memoryview(b).nbytes)
+    return sum(seg_nbytes(s) for s in segments)
+
 log = logging.getLogger("actormesh.transport")
 
 #: How long a connection the peer closed waits for the rest of the peer's lane.
@@ -63,7 +70,7 @@ class ConnectionLanes:
         """A frame leaves the outbox: True if it went to the lane. Otherwise the caller
         pushes it to ``out``, after any lane frame (offer, barrier) pushed here."""
         lane = self.send_lane
-        if not flags and len(segments) > 1 and sum(seg_nbytes(s) for s in segments) >= self._min:
+        if not flags and len(segments) > 1 and _nbytes(segments) >= self._min:
             if lane is None:
                 self._offer(out)
             elif lane.state == "up" and not out.chunked:

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ._frames import Segment, chunk_header, encode_chunked, encode_frame, seg_nbytes
+from ._frames import Segment, chunk_header, encode_chunked, encode_frame_sized, seg_nbytes
 
 __all__ = ["Outgoing", "CHUNK_BYTES", "CHUNK_MIN_BYTES"]
 
@@ -79,7 +79,7 @@ class Outgoing:
             raise ValueError("chunk_bytes and chunk_min_bytes must be positive")
         self._chunk = chunk_bytes
         self._chunk_min = chunk_min_bytes
-        # (parts of a whole frame, event, key) or a _Chunked not yet started
+        # (parts of a whole frame, event, key, its bytes) or a _Chunked not yet started
         self._queue: deque[Any] = deque()
         self._big: _Chunked | None = None
         self._chunked = 0  # chunked frames queued or in progress
@@ -94,30 +94,43 @@ class Outgoing:
 
     def push(self, segments: Sequence[Segment], flags: int, event: threading.Event | None, key: Hashable | None) -> None:
         """Queue one frame (its segments, not yet encoded)."""
-        if not flags and len(segments) > 1 and sum(seg_nbytes(s) for s in segments) >= self._chunk_min:
-            self._queue.append(_Chunked(segments, event, key))
-            self._chunked += 1
-        else:
-            self._queue.append((encode_frame(segments, flags), event, key))
+        if not flags and len(segments) > 1:
+            if len(segments) == 2:  # the commonest frame: no generator to size it
+                a, b = segments
+                size = (len(a) if type(a) is bytes else memoryview(a).nbytes) + (len(b) if type(b) is bytes else memoryview(b).nbytes)
+            else:
+                size = sum(seg_nbytes(s) for s in segments)
+            if size >= self._chunk_min:
+                self._queue.append(_Chunked(segments, event, key))
+                self._chunked += 1
+                return
+        parts, nbytes = encode_frame_sized(segments, flags)
+        self._queue.append((parts, event, key, nbytes))
 
     def push_encoded(self, parts: list[Segment]) -> None:
         """Queue the rest of a frame that is already partly on the wire: it goes first."""
-        self._queue.appendleft((parts, None, None))
+        self._queue.appendleft((parts, None, None, sum(seg_nbytes(p) for p in parts)))
 
     def batch(self, max_bytes: int) -> tuple[list[Segment], list[threading.Event]]:
         """The next parts to write, about ``max_bytes`` of them (at least one frame or
         chunk), and the events of the frames they complete."""
+        parts, events, _ = self.batch_sized(max_bytes)
+        return parts, events
+
+    def batch_sized(self, max_bytes: int) -> tuple[list[Segment], list[threading.Event], int]:
+        """:meth:`batch`, and how many bytes its parts hold (sized as they were queued)."""
         parts: list[Segment] = []
         events: list[threading.Event] = []
-        budget = max_bytes
+        budget, total = max_bytes, 0
         queue = self._queue
         while budget > 0 and len(parts) < 512:
             i = self._next_whole()
             if i is not None:
-                frame, event, _ = queue[i]
+                frame, event, _, nbytes = queue[i]
                 del queue[i]
                 parts.extend(frame)
-                budget -= sum(seg_nbytes(p) for p in frame)
+                budget -= nbytes
+                total += nbytes
                 if event is not None:
                     events.append(event)
                 continue
@@ -125,18 +138,21 @@ class Outgoing:
             if big is None and queue and type(queue[0]) is _Chunked:
                 self._big = big = queue.popleft()
                 parts.append(big.header)
+                total += len(big.header)
             if big is None:
                 break
             n = min(self._chunk, big.left)
-            parts.append(chunk_header(n))
+            header = chunk_header(n)
+            parts.append(header)
             big.take(n, parts)
             budget -= n
+            total += len(header) + n
             if not big.left:
                 self._big = None
                 self._chunked -= 1
                 if big.event is not None:
                     events.append(big.event)
-        return parts, events
+        return parts, events, total
 
     def _next_whole(self) -> int | None:
         """Where the next frame to write whole is in the queue (rules 1 and 2), if any."""

@@ -18,7 +18,7 @@ from time import monotonic as _monotonic
 from typing import Any
 
 from ..errors import TransportError
-from ._frames import FLAG_SHM, Segment, encode_frame, frame_tail, seg_nbytes
+from ._frames import FLAG_SHM, Segment, encode_frame_sized, frame_tail, seg_nbytes
 from ._lane_conn import ConnectionLanes
 from ._outgoing import CHUNK_BYTES, CHUNK_MIN_BYTES, Outgoing
 from ._shm import ShmPool
@@ -112,8 +112,7 @@ class Sending:
             lanes = self._lanes
             if lanes is not None and lanes.needs_barrier(key):
                 return False
-            frame = encode_frame(segments, flags)
-            total = sum(seg_nbytes(p) for p in frame)
+            frame, total = encode_frame_sized(segments, flags)
             if total >= CHUNK_MIN_BYTES:
                 return False  # goes in chunks, from the loop
             try:
@@ -153,8 +152,8 @@ class Sending:
         # One batch at a time, each once the socket has taken the last: what waits in
         # the transport stays small, so a frame queued now is not stuck behind megabytes.
         while out and transport.get_write_buffer_size() == 0:
-            parts, waiters = out.batch(_BATCH_BYTES)
-            if not self._write_parts(parts):
+            parts, waiters, nbytes = out.batch_sized(_BATCH_BYTES)
+            if not self._write_parts(parts, nbytes):
                 self._drain_waiters.extend(waiters)
                 break
             for ev in waiters:
@@ -162,8 +161,8 @@ class Sending:
         if self._closing and not out and (lanes is None or lanes.idle):
             transport.close()
 
-    def _write_parts(self, parts: list[Segment]) -> bool:
-        """Hand a batch to the kernel; True if it took all of it.
+    def _write_parts(self, parts: list[Segment], nbytes: int) -> bool:
+        """Hand a batch of ``nbytes`` to the kernel; True if it took all of it.
 
         Written with ``os.writev`` where we have the descriptor (the transport's
         buffer is empty, so nothing is overtaken): it copies without holding the
@@ -181,7 +180,7 @@ class Sending:
                 written = 0
             except OSError:
                 written = 0  # the transport's own write reports the broken connection
-            if written == sum(seg_nbytes(p) for p in parts):
+            if written == nbytes:
                 return True
             parts = frame_tail(parts, written)
         transport.writelines(parts)
