@@ -14,6 +14,7 @@ import pytest
 
 from actormesh import config
 from actormesh.actor import Actor, SupervisionError, endpoint, this_host
+from actormesh.runtime import current_runtime
 from conftest import wait_for
 
 T = 30
@@ -126,3 +127,24 @@ def test_the_zygote_and_its_procs_end_with_their_controller(tmp_path, how):
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def test_a_stopped_zygote_fails_its_spawn_in_time_and_the_next_one_uses_a_new_zygote(spawn_procs):
+    p = spawn_procs(per_host={"gpus": 1}).spawn("p", Probe)
+    (before,) = p.facts.call().get(timeout=T).values()
+    stuck = before["ppid"]
+    os.kill(stuck, signal.SIGSTOP)
+    try:
+        with config.configured(proc_spawn_timeout=2.0):
+            late = spawn_procs(per_host={"gpus": 1})
+            with pytest.raises(Exception, match="did not report ready within 2s"):
+                late.initialized.get(timeout=T)
+        fresh = spawn_procs(per_host={"gpus": 1}).spawn("p", Probe).facts.call().get(timeout=T).values()
+        assert fresh[0]["ppid"] not in (stuck, os.getpid())
+        assert p.facts.call().get(timeout=T).values()[0]["pid"] == before["pid"]  # its procs live on
+    finally:
+        os.kill(stuck, signal.SIGCONT)
+    # The spawn it owed, forked now after all, is killed at once: nothing is left behind.
+    (old,) = current_runtime().zygote.retired
+    wait_for(lambda: not old._waiting, timeout=T)  # it answered: the fork happened
+    wait_for(lambda: {c.pid for c in psutil.Process(stuck).children()} <= {before["pid"]}, timeout=T)

@@ -219,7 +219,7 @@ def _start_one(
     except OSError as exc:
         _start_failed(runtime, child, f"could not start proc {child.name}: {exc}", exc)
         return
-    runtime.loop.call_later(spawn_timeout_s, _check_started, runtime, child, spawn_timeout_s)
+    runtime.loop.call_later(spawn_timeout_s, _check_started, runtime, child, spawn_timeout_s, zygote)
 
 
 def _start_failed(runtime: ProcRuntime, child: ChildProc, why: str, exc: BaseException | None = None) -> None:
@@ -254,9 +254,12 @@ def _popen_one(runtime: ProcRuntime, child: ChildProc, command: ProcCommand, spe
 def _zygote(runtime: ProcRuntime) -> Zygote | None:
     if not zygote_available():
         return None
-    if runtime.zygote is None:
-        runtime.zygote = Zygote(runtime.loop)
-    return runtime.zygote
+    zygote = runtime.zygote
+    if zygote is None:
+        zygote = runtime.zygote = Zygote(runtime.loop)
+    elif zygote.stuck:
+        zygote = runtime.zygote = zygote.successor()
+    return zygote
 
 
 def _fork_one(runtime: ProcRuntime, child: ChildProc, zygote: Zygote, spec: dict[str, Any],
@@ -265,8 +268,10 @@ def _fork_one(runtime: ProcRuntime, child: ChildProc, zygote: Zygote, spec: dict
     def forked(proc: ForkedProc | None, error: str | None) -> None:
         if proc is None:
             _start_failed(runtime, child, f"could not start proc {child.name}: {error}")
-        else:
-            child.popen = proc
+            return
+        child.popen = proc
+        if child.killed:  # given up on (proc_spawn_timeout) before its zygote forked it
+            proc.kill()
 
     pipes = [os.pipe(), os.pipe()] if stdio is not None else []
     try:
@@ -282,12 +287,21 @@ def _fork_one(runtime: ProcRuntime, child: ChildProc, zygote: Zygote, spec: dict
         stdio(child, os.fdopen(pipes[0][0], "rb"), os.fdopen(pipes[1][0], "rb"))
 
 
-def _check_started(runtime: ProcRuntime, child: ChildProc, timeout: float) -> None:
+def _check_started(runtime: ProcRuntime, child: ChildProc, timeout: float, zygote: Zygote | None = None) -> None:
     if not child.ready.done() and child.returncode is None:
+        never_forked = zygote is not None and child.popen is None
         _kill(child)
+        child.killed = True  # a fork that comes after all is killed at once (_fork_one)
         reason = Cause(f"proc {child.name} did not report ready within {timeout:.0f}s (proc_spawn_timeout); it was killed", CauseKind.HUNG)
         child.ready._set_exception(TimeoutError(reason))
         runtime.peer_gone(child.address, reason)
+        if never_forked:
+            assert zygote is not None
+            # The zygote never answered (stopped, stuck): later spawns go to a new one.
+            log.warning("this host's zygote did not fork proc %s within %.0fs; later procs are forked from a new one", child.name, timeout)
+            zygote.stuck = True
+            runtime.children.pop(child.address, None)
+            child.exited._set_result(None)
 
 
 def _watch(runtime: ProcRuntime, child: ChildProc) -> None:

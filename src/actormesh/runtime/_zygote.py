@@ -98,6 +98,17 @@ class Zygote:
         self._buf = bytearray()
         self._closing = False
         self._out: deque[tuple[bytes, list[int]]] = deque()
+        #: Set when a spawn it was asked for never came (stopped, stuck): spawns go to a
+        #: successor, while this one still reports the ends of the workers it forked.
+        self.stuck = False
+        self.retired: list[Zygote] = []
+
+    def successor(self) -> Zygote:
+        """A new zygote for the spawns to come; this one is kept, retired, until ``close``."""
+        new = Zygote(self._loop)
+        new.retired = [*self.retired, self]
+        self.retired = []
+        return new
 
     def fork(self, spec: dict[str, Any], env: dict[str, str], stdio: Sequence[int],
              forked: Forked, exited: Callable[[int], None]) -> None:
@@ -244,6 +255,8 @@ class Zygote:
 
         The loop thread sees the hang-up and reports those workers' ends."""
         self._closing = True
+        for old in self.retired:
+            old.close(timeout_s)
         sock, popen = self._sock, self._popen
         if sock is not None:
             try:
