@@ -7,14 +7,15 @@ reply, an error or a lost peer becomes."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from actormesh import config
 from actormesh.actor import Actor, endpoint
-from actormesh.errors import ActorDiedError, ActorError, Cause, CauseKind
-from actormesh.mesh import ActorMesh, ValueMesh
+from actormesh.errors import ActorDiedError, ActorError, ActorUnreachableError, Cause, CauseKind, MeshStoppedError
+from actormesh.mesh import ActorMesh, ProcMesh, Shape, ValueMesh
+from actormesh.runtime import STOP_MARGIN_S
 
 from fake_runtime import FakeRuntime, actor_mesh, install
 
@@ -176,3 +177,148 @@ def test_stream_yields_futures_completed_in_arrival_order(fake):
     with pytest.raises(ValueError, match="v3"):
         futures[2].get(timeout=0)
     assert fake.ports == {} and fake.waiting() == {}
+
+
+# -- lost peers -------------------------------------------------------------------------------------
+
+def test_a_lost_peer_fails_only_the_stream_reply_it_owes(fake):
+    futures = list(grid(1, 4).step.stream(0))
+    sent = fake.of("call_actor")
+    fake.answer(sent[0], "v0")
+    fake.answer(sent[2], "v2")
+    fake.lose_peer("fake:p1")
+    with pytest.raises(ActorUnreachableError) as info:
+        futures[2].get(timeout=0)
+    assert info.value.rank == 1
+    assert not futures[3].done()  # member 3's proc is alive: its reply is still owed
+    fake.answer(sent[3], "v3")
+    assert futures[3].get(timeout=0) == "v3"
+    assert fake.waiting() == {} and fake.ports == {}
+
+
+def test_a_lost_subtree_root_fails_exactly_its_subtree_of_a_tree_call(fake):
+    fut = grid(8, 8).step.call(1)  # 64 members under fan-out 16: 8 subtrees of 8
+    (tree,) = fake.sent
+    lost = tree.roots[3]
+    fake.lose_peer(lost)
+    assert not fut.done()
+    for i, root in enumerate(tree.owed):
+        if root != lost:
+            fake.answer(tree, i, member=i)
+    with pytest.raises(ActorUnreachableError) as info:
+        fut.get(timeout=0)
+    assert info.value.rank == 24 == tree.owed.index(lost)  # the subtree's first member, not member 0
+    assert fake.waiting() == {} and fake.ports == {}
+
+
+def test_a_call_to_a_peer_already_lost_fails_on_the_next_loop_turn(fake):
+    fake.lose_peer("fake:p3", Cause("killed by signal 9", CauseKind.SIGNALED, signal=9))
+    fut = grid(1, 4).slice(gpus=3).step.call_one(1)
+    assert not fut.done()  # as ProcRuntime.await_peer: the port hears of it from the loop
+    assert fake.loop.run_ready() == 1
+    with pytest.raises(ActorDiedError) as info:
+        fut.get(timeout=0)
+    assert info.value.cause is not None and info.value.cause.signal == 9
+
+
+def test_closing_the_runtime_fails_every_pending_call(fake):
+    one = grid().slice(hosts=0, gpus=0).step.call_one(1)
+    many = grid().step.call(1)
+    fake.close()
+    for fut in (one, many):
+        with pytest.raises(MeshStoppedError):
+            fut.get(timeout=0)
+
+
+# -- the cast tree -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("members, verbs", [(16, ["call_actor"] * 16), (17, ["cast"])])
+def test_a_view_larger_than_the_fanout_is_cast_along_a_tree(fake, members, verbs):
+    actor_mesh(Worker, ("gpus",), (members,)).step.broadcast(0)
+    assert [s.verb for s in fake.sent] == verbs
+
+
+def test_a_call_to_4096_members_is_one_cast_down_16_subtrees_gathered_in_rank_order(fake):
+    mesh = actor_mesh(Worker, ("hosts", "gpus"), (64, 64))
+    fut = mesh.step.call(3)
+    (tree,) = fake.sent  # one verb call, not one per member
+    assert tree.verb == "cast" and tree.whole and len(tree.roots) == 16 and len(set(tree.owed)) == 16
+    assert tree.members == tuple(f"fake:p{i}" for i in range(4096)) and tree.args == (3,)
+    values = [i * 10 for i in range(4096)]
+    fake.answer_cast(tree, values)
+    vm = fut.get(timeout=0)
+    assert vm.values() == values and vm.item(hosts=63, gpus=1) == 63 * 64 * 10 + 10
+    mesh.step.broadcast(4)
+    assert fake.sent[-1].verb == "cast" and fake.sent[-1].reply is None and len(fake.sent) == 2
+    assert fake.ports == {}
+
+
+def test_a_cast_to_a_slice_of_a_large_mesh_names_only_the_slice(fake):
+    mesh = actor_mesh(Worker, ("hosts", "gpus"), (64, 64))
+    mesh.slice(gpus=slice(0, 32)).step.broadcast(1)
+    (tree,) = fake.sent
+    assert not tree.whole and len(tree.members) == 2048 and tree.sizes == (64, 32)
+    assert tree.members[:3] == ("fake:p0", "fake:p1", "fake:p2") and tree.members[32] == "fake:p64"
+    assert len(tree.roots) <= 16
+
+
+# -- spawn and stop, as the owner sees them ------------------------------------------------------------
+
+def spawned(fake: FakeRuntime, hosts: int = 2, gpus: int = 2) -> ActorMesh[Any]:
+    """Spawn ``Worker(5)`` on a fake proc mesh and answer every ``__init__``."""
+    procs = ProcMesh([f"fake:p{i}" for i in range(hosts * gpus)], Shape.row_major(("hosts", "gpus"), (hosts, gpus)), "procs")
+    mesh = cast("ActorMesh[Any]", procs.spawn("w", Worker, 5))  # spawn is typed as the actor class
+    for s in fake.of("spawn_actor"):
+        fake.answer(s, None)
+    fake.sent.clear()
+    return mesh
+
+
+def test_spawn_on_a_sliced_proc_mesh_creates_one_member_per_proc_and_waits_for_every_init(fake):
+    procs = ProcMesh([f"fake:p{i}" for i in range(8)], Shape.row_major(("hosts", "gpus"), (2, 4)), "procs")
+    mesh = cast("ActorMesh[Any]", procs.slice(hosts=1).spawn("w", Worker, 5))
+    sent = fake.of("spawn_actor")
+    assert [(s.address, s.member, s.cls, s.args, s.sizes) for s in sent] == [(f"fake:p{4 + i}", i, Worker, (5,), (4,)) for i in range(4)]
+    assert fake.owned_meshes[sent[0].actor].addresses == [f"fake:p{4 + i}" for i in range(4)]
+    for s in sent[:3]:
+        fake.answer(s, None)
+    assert not mesh.initialized.done()
+    fake.answer_error(sent[3], RuntimeError("no GPU"))
+    with pytest.raises(RuntimeError, match="no GPU"):
+        mesh.initialized.get(timeout=0)
+    mesh.slice(gpus=1).step.call_one(1)
+    assert fake.sent[-1].address == "fake:p5" and fake.sent[-1].actor == sent[0].actor
+
+
+def test_calls_to_a_member_the_owner_knows_failed_fail_at_once_and_send_nothing(fake):
+    mesh = spawned(fake)
+    record = fake.owned_meshes[mesh._mesh_name]
+    record.failed[1] = Cause("the process exited with non-zero code 1", CauseKind.EXITED, code=1)
+    with pytest.raises(ActorDiedError) as info:
+        mesh.slice(hosts=0, gpus=1).step.call_one(1).get(timeout=0)
+    assert info.value.rank == 0  # its rank in the one-member view called
+    with pytest.raises(ActorDiedError) as info:
+        mesh.step.call(1).get(timeout=0)
+    assert info.value.rank == 1
+    assert fake.sent == []
+    mesh.slice(hosts=1, gpus=1).step.call_one(1)  # the other members are still served
+    assert [s.address for s in fake.sent] == ["fake:p3"]
+
+
+def test_stop_kills_the_proc_of_a_member_that_did_not_stop_by_the_deadline(fake):
+    mesh = spawned(fake)
+    stopped = mesh.stop("done")
+    sent = fake.of("stop_actor")
+    assert [(s.address, s.member) for s in sent] == [(f"fake:p{i}", i) for i in range(4)]
+    for s in sent[:3]:
+        fake.answer(s, None)
+    deadline = config.get_config().cleanup_timeout + STOP_MARGIN_S
+    fake.loop.advance(deadline - 0.01)
+    assert not stopped.done() and fake.of("stop_proc") == []
+    fake.loop.advance(0.02)
+    assert stopped.get(timeout=0) is None
+    assert [s.address for s in fake.of("stop_proc")] == ["fake:p3"] and fake.expected_gone == {"fake:p3"}
+    fake.sent.clear()
+    with pytest.raises(MeshStoppedError, match="proc killed"):
+        mesh.step.call(1).get(timeout=0)
+    assert fake.sent == []
