@@ -109,8 +109,7 @@ class ProcRuntime(Receiving):
         #: start with the first spawn (_spawn.py).
         self.children: dict[str, ChildProc] = {}
         self.heartbeat: Heartbeat | None = None
-        #: What this process's procs are forked from, once it spawns one (_zygote.py).
-        self.zygote: Zygote | None = None
+        self.zygote: Zygote | None = None  # what its procs are forked from, from its first spawn
         self._no_handlers()
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None

@@ -150,18 +150,7 @@ def spawn_children(
     from ..config import get_config
 
     cfg = get_config()
-    children = []
-    for name in names:
-        if runtime.transport == "unix":
-            address = f"unix:{os.path.join(runtime.job_dir, f'{name}-{os.urandom(4).hex()}.sock')}"
-        else:
-            # Children listen on the interface their spawner was reached on.
-            address = _free_tcp_address(_listen_host(runtime.address, cfg.bind_host))
-        child = ChildProc(name=name, address=address, owner=owner,
-                          policy=Policy(cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.hung_timeout))
-        runtime.children[address] = child
-        runtime.expect_child(address)
-        children.append(child)
+    children = [_new_child(runtime, name, owner, cfg) for name in names]
     if bootstrap is not None:
         bootstrap_blob = bytes(dumps(bootstrap, out_of_band=False)[0])
     blob_fn = base64.b64encode(bootstrap_blob).decode() if bootstrap_blob is not None else None
@@ -183,6 +172,20 @@ def spawn_children(
     else:
         runtime.loop.call_soon_threadsafe(start)
     return children
+
+
+def _new_child(runtime: ProcRuntime, name: str, owner: str, cfg: Any) -> ChildProc:
+    """A child's record, before it is started: its address, the liveness settings in force."""
+    if runtime.transport == "unix":
+        address = f"unix:{os.path.join(runtime.job_dir, f'{name}-{os.urandom(4).hex()}.sock')}"
+    else:
+        # Children listen on the interface their spawner was reached on.
+        address = _free_tcp_address(_listen_host(runtime.address, cfg.bind_host))
+    child = ChildProc(name=name, address=address, owner=owner,
+                      policy=Policy(cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.hung_timeout))
+    runtime.children[address] = child
+    runtime.expect_child(address)
+    return child
 
 
 def _start_one(
