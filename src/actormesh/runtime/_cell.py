@@ -6,7 +6,9 @@ The loop thread ``post``s envelopes; the actor's own thread handles them one at
 a time, so user code never runs on the loop and one slow actor delays nobody
 else. Sync actors block on a ``SimpleQueue``. Async actors run their own event
 loop on their thread; the loop thread appends to a deque and wakes the actor's
-loop only when it sleeps, so a burst costs one wake-up.
+loop only when it sleeps, so a burst costs one wake-up. Either way a call goes
+through the same steps (``_cell_invoke``); the two kinds differ only in how they
+wait for the mailbox and whether they call or await the endpoint.
 
 States: ``init`` -> ``running`` -> ``stopped`` | ``failed``. A failed or stopped
 actor answers every later call with a supervision error at once, from the loop
@@ -37,16 +39,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ActorError, Cause, CauseKind, PortableException
 from ..telemetry import FIGURES
 from ..telemetry import STATE as _TELEMETRY
 from ..transport import Segment, dumps, loads
 from . import _messages as M
-from ._actor import Context, EndpointProperty, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of, make_point
-from ._channel import Port
-from ._cell_async import _STOP, _SUPERVISE, Stop, Supervise, _DropPort, run_async
-from ._cell_end import CellEnding
-from ._cell_figures import CellFigures, now
+from ._actor import Context, Instance, MeshFailure, _context, _message_rank, _overrides, endpoints_of, make_point
+from ._cell_async import _STOP, _SUPERVISE, Stop, Supervise, run_async
+from ._cell_figures import now
+from ._cell_invoke import CellInvocation, error_payload
 from ._loop import new_event_loop
 
 if TYPE_CHECKING:
@@ -57,21 +57,7 @@ log = logging.getLogger("actormesh.actor")
 __all__ = ["Cell", "install"]
 
 
-def _error_payload(exc: BaseException, prefix: str = "") -> list[Segment]:
-    formatted = "".join(traceback.format_exception(exc))
-    if isinstance(exc, ActorError):
-        # Relayed from a deeper actor: send the original exception (its type is what
-        # callers catch) with both tracebacks, innermost first.
-        formatted = f"{exc.exception_formatted.rstrip()}\n\nrelayed by:\n{formatted}"
-        exc = exc.exception
-    formatted = prefix + formatted
-    try:
-        return dumps((PortableException(exc), formatted))
-    except TypeError:
-        return dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), formatted))
-
-
-class Cell(CellEnding, CellFigures):
+class Cell(CellInvocation):
     """One actor instance and the thread that runs it."""
 
     def __init__(self, runtime: ProcRuntime, env: M.Spawn, payload: Sequence[Segment]) -> None:
@@ -151,12 +137,6 @@ class Cell(CellEnding, CellFigures):
         elif isinstance(env, Stop) and env.reply is not None:
             self.runtime.reply(env.reply, env.slot, M.OK, dumps(None))
 
-    def dead_text(self) -> Cause:
-        """What callers of this dead actor are told (STOPPED, or the failure's Cause)."""
-        if self.status == "stopped":
-            return Cause(f"The actor {self.display} has status: stopped: {self.cause or 'stopped by client'}", CauseKind.STOPPED)
-        return Cause.of(self.cause or "", CauseKind.RAISED).reworded(f"The actor {self.display} and all its descendants have failed:\n  {self.cause}")
-
     def stop(self, reply: tuple[str, int] | None, index: int = 0) -> None:
         """Stop after the messages already queued (loop thread); reply as ``index``.
 
@@ -203,7 +183,7 @@ class Cell(CellEnding, CellFigures):
             self._fail(f"actor failed in __init__: {''.join(traceback.format_exception(exc))}", run_cleanup=False)
             if self._spawn_reply is not None:
                 # ``mesh.initialized`` raises this member's error (after the owner heard).
-                payload = _error_payload(exc, f"{self.display} failed in __init__:\n")
+                payload = error_payload(exc, f"{self.display} failed in __init__:\n")
                 self.runtime.reply(self._spawn_reply, self.rank_raw[0], M.ERROR, payload)
             return False
         self.status = "running"
@@ -236,108 +216,38 @@ class Cell(CellEnding, CellFigures):
             elif kind == _SUPERVISE:
                 self._supervise_sync(env.failure)
 
-    def _begin(self, env: M.Call) -> Any:
-        name = env.endpoint
-        prop = self._endpoints.get(name)
-        if prop is None:
-            fn = getattr(type(self.instance), name, None)
-            if callable(fn) and not name.startswith("_") and not isinstance(fn, type):
-                # a plain method called through as_endpoint()
-                prop = self._endpoints[name] = EndpointProperty(fn)
-        if prop is None:
-            raise AttributeError(f"{type(self.instance).__qualname__} has no endpoint named {name!r}")
-        return prop
-
     def _call_sync(self, env: M.Call, payload: Sequence[Segment]) -> None:
-        reply, index = env.reply, env.member
-        token = _message_rank.set((index, env.labels, env.sizes))
-        explicit = False
-        fig, scope = self.figures, None
+        """Run one call on this thread (the steps are in ``_cell_invoke``)."""
+        token = _message_rank.set((env.member, env.labels, env.sizes))
+        prop, fig, scope = None, self.figures, None
         t0 = now() if fig is not None else 0.0
         try:
-            prop = self._begin(env)
-            explicit = prop.explicit_response_port
-            msg = loads(payload)  # (args, kwargs[, trace context])
-            args, kwargs = msg[0], msg[1]
-            if len(msg) > 2:  # the caller traced this call
-                scope = self._trace_scope(msg, env)
-            if explicit:
-                port: Port[Any] | _DropPort = Port(reply[0], reply[1], index, self.runtime) if reply else _DropPort()
-                prop._fn(self.instance, port, *args, **kwargs)
-                return
-            result = prop._fn(self.instance, *args, **kwargs)
-        except Exception as exc:
-            fig = scope = self._handled(fig, t0, scope, exc)  # counted before the caller hears
-            self._handle_error(exc, reply, index, explicit)
-            return
+            # the dict hit inline: the common case costs no call to _endpoint
+            prop = self._endpoints.get(env.endpoint) or self._endpoint(env)
+            msg = self._open(prop, env, payload)
+            if len(msg) > 2:
+                scope = msg[2]
+            result = prop._fn(self.instance, *msg[0], **msg[1])
         except BaseException as exc:
-            fig = scope = self._handled(fig, t0, scope, exc)  # counted before the caller hears
-            self._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}", reply=(reply, index))
+            self._call_failed(exc, env, prop, token, fig, t0, scope)
             return
-        finally:
-            _message_rank.reset(token)
-            if fig is not None or scope is not None:
-                self._handled(fig, t0, scope)
-        if reply is not None:
-            self._reply_value(reply, index, result)
-
-    def _reply_value(self, reply: tuple[str, int], index: int, result: Any) -> None:
-        try:
-            payload = dumps(result)
-        except TypeError as exc:
-            self.runtime.reply(reply, index, M.ERROR, _error_payload(TypeError(f"endpoint result could not be pickled: {exc}")))
-            return
-        self.runtime.reply(reply, index, M.OK, payload)
-
-    def _handle_error(self, exc: BaseException, reply: Any, index: int, explicit: bool) -> None:
-        if self.figures is not None:
-            self.figures.errors += 1
-        if reply is not None and not explicit:
-            self.runtime.reply(reply, index, M.ERROR, _error_payload(exc))
-            return
-        # No one to tell: like an Erlang process, the actor dies and its owner hears.
-        self._fail(f"actor explicitly aborted due to: {''.join(traceback.format_exception(exc))}", reply=(reply, index) if explicit else None)
+        self._call_done(env, prop, token, fig, t0, scope, result)
 
     def _supervise_sync(self, failure: MeshFailure) -> None:
+        """Offer ``failure`` to ``__supervise__`` on this thread; unless handled, fail."""
+        handled, raised = False, None
         try:
             handled = _overrides(type(self.instance), "__supervise__") and self.instance.__supervise__(failure)
         except Exception as exc:
-            self._fail(f"__supervise__ raised while handling {failure!r}: {''.join(traceback.format_exception(exc))}")
-            return
-        if not handled:
-            self._fail(f"unhandled failure of an owned mesh: {failure.report()}")
+            raised = exc
+        self._supervised(failure, handled, raised)
 
     def _stop(self, env: Stop) -> None:
-        failure = env.failure
-        if failure is not None:
-            self._fail(str(failure))
+        """Stop (clean up, then answer) or, with ``env.failure``, fail (answering no one)."""
+        if env.failure is not None:
+            self._fail(str(env.failure))
             return
-
-        def stopped() -> None:
-            self.status = "stopped"
-            if env.reply is not None:
-                self.runtime.reply(env.reply, env.slot, M.OK, dumps(None))
-
-        self._cleanup(None, stopped)
-
-    def _fail(self, cause: str, run_cleanup: bool = True, reply: tuple[Any, int] | None = None) -> None:
-        """Mark the actor failed; tell the owner, then ``reply`` (a waiting caller), then clean up.
-
-        The owner hears first: a ``__cleanup__`` that hangs cannot delay the report.
-        """
-        if self.status in ("failed", "stopped"):
-            return
-        self.status = "failed"
-        self.cause = Cause.of(cause, CauseKind.RAISED).reworded(cause.rstrip())
-        owner = self.owner
-        if owner is not None:
-            self.runtime.report_failure(owner, self.mesh_name, self.rank_raw[0], self.cause, self.display)
-        if reply is not None and reply[0] is not None:
-            self.runtime.reply(reply[0], reply[1], M.SUPERVISION, dumps(self.dead_text()))
-        if run_cleanup and not self.is_async:
-            self._cleanup(RuntimeError(str(self.cause)))
-        elif self.is_async:
-            self.runtime.threads.start(self._stop_owned, "its owner failed", name=f"actor-{self.display}-stop-owned")
+        self._cleanup(None, functools.partial(self._stopped, env.reply, env.slot))
 
 
 def install(runtime: ProcRuntime) -> None:

@@ -12,16 +12,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from ..errors import Cause, CauseKind
-from ..transport import Segment, dumps, loads
+from ..transport import Segment
 from . import _messages as M
-from ._actor import MeshFailure, _message_rank, _overrides
+from ._actor import EndpointProperty, MeshFailure, _message_rank, _overrides
 from ._cell_figures import now
-from ._channel import Port
 
 if TYPE_CHECKING:
     from ._cell import Cell
@@ -48,16 +45,6 @@ class Supervise(NamedTuple):
 
     kind: int  # _SUPERVISE
     failure: MeshFailure
-
-
-class _DropPort:
-    """The port given to explicit-port endpoints called without a reply (broadcast)."""
-
-    def send(self, obj: Any) -> None:
-        pass
-
-    def exception(self, exc: BaseException) -> None:
-        pass
 
 
 def run_async(cell: Cell) -> None:
@@ -99,11 +86,10 @@ async def _dispatch(cell: Cell) -> None:
 
 
 async def _call(cell: Cell, env: M.Call, payload: Sequence[Segment]) -> None:
-    reply, index = env.reply, env.member
     try:
-        prop = cell._begin(env)
+        prop = cell._endpoints.get(env.endpoint) or cell._endpoint(env)  # as in Cell._call_sync
     except Exception as exc:
-        cell._handle_error(exc, reply, index, False)
+        cell._handle_error(exc, env.reply, env.member, False)
         return
     if prop.concurrent:
         task = asyncio.ensure_future(_run_endpoint(cell, prop, env, payload))
@@ -114,55 +100,35 @@ async def _call(cell: Cell, env: M.Call, payload: Sequence[Segment]) -> None:
     await _run_endpoint(cell, prop, env, payload)
 
 
-async def _run_endpoint(cell: Cell, prop: Any, env: M.Call, payload: Sequence[Segment]) -> None:
-    reply, index = env.reply, env.member
-    token = _message_rank.set((index, env.labels, env.sizes))
-    explicit = prop.explicit_response_port
+async def _run_endpoint(cell: Cell, prop: EndpointProperty[Any], env: M.Call, payload: Sequence[Segment]) -> None:
+    """Run one call on the actor's loop (the steps are in ``_cell_invoke``)."""
+    token = _message_rank.set((env.member, env.labels, env.sizes))
     fig, scope = cell.figures, None
     t0 = now() if fig is not None else 0.0
     try:
-        msg = loads(payload)  # (args, kwargs[, trace context])
-        args, kwargs = msg[0], msg[1]
-        if len(msg) > 2:  # the caller traced this call
-            scope = cell._trace_scope(msg, env)
-        if explicit:
-            port: Port[Any] | _DropPort = Port(reply[0], reply[1], index, cell.runtime) if reply else _DropPort()
-            await prop._fn(cell.instance, port, *args, **kwargs)
-            return
-        result = await prop._fn(cell.instance, *args, **kwargs)
-    except Exception as exc:
-        fig = scope = cell._handled(fig, t0, scope, exc)  # counted before the caller hears
-        cell._handle_error(exc, reply, index, explicit)
-        return
-    except asyncio.CancelledError as exc:
-        fig = scope = cell._handled(fig, t0, scope, exc)  # counted before the caller hears
-        if reply is not None and not explicit:
-            cell.runtime.reply(reply, index, M.SUPERVISION, dumps(Cause(f"The actor {cell.display} stopped before the call finished", CauseKind.STOPPED)))
-        raise
+        msg = cell._open(prop, env, payload)
+        if len(msg) > 2:
+            scope = msg[2]
+        result = await prop._fn(cell.instance, *msg[0], **msg[1])
     except BaseException as exc:
-        fig = scope = cell._handled(fig, t0, scope, exc)  # counted before the caller hears
-        cell._fail(f"actor failed with {type(exc).__name__}: {''.join(traceback.format_exception(exc))}", reply=(reply, index))
+        cell._call_failed(exc, env, prop, token, fig, t0, scope)
+        if isinstance(exc, asyncio.CancelledError):
+            raise  # a task cancelled by a stop ends cancelled
         return
-    finally:
-        _message_rank.reset(token)
-        if fig is not None or scope is not None:
-            cell._handled(fig, t0, scope)
-    if reply is not None:
-        cell._reply_value(reply, index, result)
+    cell._call_done(env, prop, token, fig, t0, scope, result)
 
 
 async def _supervise(cell: Cell, failure: MeshFailure) -> None:
+    """Offer ``failure`` to ``__supervise__`` (awaited if async); unless handled, fail."""
+    handled, raised = False, None
     try:
-        handled = False
         if _overrides(type(cell.instance), "__supervise__"):
             handled = cell.instance.__supervise__(failure)
             if inspect.isawaitable(handled):
                 handled = await handled
     except Exception as exc:
-        cell._fail(f"__supervise__ raised while handling {failure!r}: {''.join(traceback.format_exception(exc))}")
-        return
-    if not handled:
-        cell._fail(f"unhandled failure of an owned mesh: {failure.report()}")
+        raised = exc
+    cell._supervised(failure, handled, raised)
 
 
 async def _stop(cell: Cell, env: Stop) -> None:
@@ -194,8 +160,5 @@ async def _stop(cell: Cell, env: Stop) -> None:
             log.warning("__cleanup__ of %s did not finish within %.1fs (cleanup_timeout); abandoned", cell.display, budget)
         except Exception:
             log.exception("__cleanup__ of %s raised", cell.display)
-    if failure is not None:
-        return
-    cell.status = "stopped"
-    if env.reply is not None:
-        cell.runtime.reply(env.reply, env.slot, M.OK, dumps(None))
+    if failure is None:
+        cell._stopped(env.reply, env.slot)
