@@ -21,6 +21,7 @@ It dies with its spawner (the parent-death signal), and its workers with it.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -184,6 +185,9 @@ def main() -> None:
     os.chdir(boot["cwd"])
     sys.path[:0] = [p for p in boot["sys_path"] if p not in sys.path]
     _preload()
+    # What is imported now lives as long as every worker: out of the collector's sight,
+    # a collection in a worker neither scans it nor writes to (and so copies) its pages.
+    gc.freeze()
     serve(sock)
 
 
