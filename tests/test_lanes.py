@@ -424,3 +424,51 @@ def test_a_peer_that_makes_this_side_hold_too_much_loses_its_connection_only(mon
                 assert not other.closed and not other_accepted.closed
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def _send_from_a_thread(conn: Any, frame: list[Any], key: str) -> float:
+    """``conn.send`` from a thread other than the loop's, as a caller does; its seconds."""
+    took: list[float] = []
+
+    def run() -> None:
+        import time
+
+        t0 = time.monotonic()
+        conn.send(frame, order_key=key)
+        took.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return took  # type: ignore[return-value]  # filled when the thread ends
+
+
+def test_the_first_large_frame_from_a_caller_waits_for_its_lane_and_takes_it() -> None:
+    async def main() -> None:
+        got: list[tuple[str, int]] = []
+        async with _connected(lambda c, f: got.append((bytes(f[0]).decode(), memoryview(f[1]).nbytes))) as (dialed, accepted):
+            took = _send_from_a_thread(dialed, _msg("first-big", 8 * MiB), "a")
+            await _until(lambda: took, "the send to return")
+            lane = dialed._lanes.send_lane
+            assert lane is not None and lane.state == "up" and lane.sent == 1  # it went by the lane
+            assert took[0] < _lanes.LANE_WAIT_S
+            await _until(lambda: got == [("first-big", 8 * MiB)], "the frame")
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_lane_that_does_not_come_up_delays_the_first_large_frame_by_at_most_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from actormesh.transport import _lane_conn
+
+    monkeypatch.setattr(_lanes, "LANE_WAIT_S", 0.2)
+    monkeypatch.setattr(_lane_conn, "dial_lane", lambda *a, **k: (lambda: None))  # a firewall, in effect
+
+    async def main() -> None:
+        got: list[str] = []
+        async with _connected(lambda c, f: got.append(bytes(f[0]).decode())) as (dialed, accepted):
+            took = _send_from_a_thread(dialed, _msg("big", 2 * MiB), "a")
+            await _until(lambda: took, "the send to return")
+            assert 0.15 < took[0] < 0.45, took  # the wait (0.2 s here), not the offer's 5 s
+            await _until(lambda: got == ["big"], "the frame, on the connection")
+            assert dialed._lanes.send_lane.sent == 0
+
+    asyncio.run(asyncio.wait_for(main(), 60))

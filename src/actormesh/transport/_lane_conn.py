@@ -88,6 +88,17 @@ class ConnectionLanes:
         self.control_sent += 1
         return False
 
+    def wants_lane(self, segments: Sequence[Segment], flags: int) -> bool:
+        """Whether this frame would take a lane that is not up yet (any thread: a hint)."""
+        lane = self.send_lane
+        return (lane is None or lane.state == "offering") and not flags and len(segments) > 1 and _nbytes(segments) >= self._min
+
+    def offer_ahead(self, out: Outgoing) -> SendLane | None:
+        """Offer the lane now, before the frame that wants it is queued (loop thread, write lock)."""
+        if self.send_lane is None and not self._closed:
+            self._offer(out)
+        return self.send_lane
+
     def needs_barrier(self, key: Any) -> bool:
         """Whether a connection frame with ``key`` must wait for lane frames sent before it."""
         lane = self.send_lane

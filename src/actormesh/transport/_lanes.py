@@ -66,6 +66,9 @@ BULK_MIN_BYTES = 1 << 20
 LANE_NICE = 10
 #: Seconds for the peer to dial an offered lane (else large frames stay on the connection).
 OFFER_TIMEOUT_S = 5.0
+#: Seconds the first large frame to a peer waits (its sender's thread) for the lane it offers,
+#: up in a few round trips on a LAN, rather than go in chunks that small messages queue among.
+LANE_WAIT_S = 0.5
 _TOKEN_BYTES = 32
 _ACK = b"L"
 _OFFER = struct.Struct("<cH32s")
@@ -188,6 +191,8 @@ class SendLane:
         self.token = os.urandom(_TOKEN_BYTES)
         self._on_idle = on_idle
         self.state = "offering"
+        #: Set once ``state`` has left "offering" (up, failed or closed): senders may wait on it.
+        self.settled = threading.Event()
         self.sent = 0  # frames submitted, in send order (the b of a barrier)
         self._on_error = on_error
         self._queue: deque[tuple[int, Sequence[Segment], threading.Event | None] | None] = deque()
@@ -222,6 +227,7 @@ class SendLane:
             self._queue.clear()
             self._queue.append(None)
             self._ready.notify()
+        self.settled.set()
         _shut(self._sock)
         _shut(self._server)
 
@@ -257,9 +263,11 @@ class SendLane:
         with self._ready:
             if sock is None or self.state != "offering":
                 self.state = "failed" if self.state == "offering" else self.state
+                self.settled.set()
                 _shut(sock)
                 return
             self._sock, self.state = sock, "up"
+        self.settled.set()
         try:
             while True:
                 with self._ready:

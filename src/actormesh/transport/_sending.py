@@ -20,6 +20,8 @@ from typing import Any
 from ..errors import TransportError
 from ._frames import FLAG_SHM, Segment, encode_frame_sized, frame_tail, seg_nbytes
 from ._lane_conn import ConnectionLanes
+from . import _lanes
+from ._lanes import SendLane
 from ._outgoing import CHUNK_BYTES, CHUNK_MIN_BYTES, Outgoing
 from ._shm import ShmPool
 
@@ -77,6 +79,9 @@ class Sending:
                 segments, flags = [manifest, *rest], FLAG_SHM
                 if wait_flushed and max(seg_nbytes(p) for p in rest) < 65536:
                     wait_flushed = False
+        lanes = self._lanes
+        if lanes is not None and threading.get_ident() != self._loop_thread and lanes.wants_lane(segments, flags):
+            self._await_lane(lanes)
         if self._fd >= 0 and not wait_flushed and threading.get_ident() != self._loop_thread:
             now = _monotonic()
             idle = now - self._last_tx > _IDLE_S
@@ -95,6 +100,34 @@ class Sending:
                 except RuntimeError as exc:  # loop closed under us
                     raise TransportError("event loop is closed") from exc
         return event
+
+    def _await_lane(self, lanes: ConnectionLanes) -> None:
+        """The first large frame to a peer: offer the lane and wait, at most LANE_WAIT_S,
+        for it to come up, so the frame goes by it, not in chunks among small messages.
+        Only the sender's thread waits; others' frames keep moving."""
+        wait_s = _lanes.LANE_WAIT_S
+        deadline = _monotonic() + wait_s
+        lane = lanes.send_lane
+        if lane is None:
+            offered = threading.Event()
+            made: list[SendLane | None] = []
+
+            def offer() -> None:
+                with self._wlock:
+                    if not self.closed:
+                        made.append(lanes.offer_ahead(self._out))
+                        self._flush_locked()
+                offered.set()
+
+            try:
+                self._loop.call_soon_threadsafe(offer)
+            except RuntimeError:
+                return  # the loop is closed: send() reports it
+            if not offered.wait(wait_s) or not made:
+                return
+            lane = made[0]
+        if lane is not None:
+            lane.settled.wait(max(0.0, deadline - _monotonic()))
 
     def _write_direct(self, segments: Sequence[Segment], flags: int, key: Any) -> bool:
         """Write a small frame from the sender's thread, skipping the hop to the loop.
