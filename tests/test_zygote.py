@@ -148,3 +148,19 @@ def test_a_stopped_zygote_fails_its_spawn_in_time_and_the_next_one_uses_a_new_zy
     (old,) = current_runtime().zygote.retired
     wait_for(lambda: not old._waiting, timeout=T)  # it answered: the fork happened
     wait_for(lambda: {c.pid for c in psutil.Process(stuck).children()} <= {before["pid"]}, timeout=T)
+
+
+def test_a_proc_spawned_after_a_chdir_imports_from_the_new_directory(spawn_procs, tmp_path, monkeypatch):
+    spawn_procs(per_host={"gpus": 1}).initialized.get(timeout=T)  # the zygote starts here, in the old directory
+    (tmp_path / "zygote_cwd_probe.py").write_text("WHERE = 'new cwd'\n")
+    monkeypatch.chdir(tmp_path)
+    procs = spawn_procs(per_host={"gpus": 1})
+    assert procs.spawn("p", Importer).where.call_one().get(timeout=T) == "new cwd"
+
+
+class Importer(Actor):
+    @endpoint
+    def where(self) -> str:
+        import zygote_cwd_probe
+
+        return zygote_cwd_probe.WHERE

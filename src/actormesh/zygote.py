@@ -35,6 +35,8 @@ from typing import Any, NoReturn
 
 _ZYGOTE_ARG = b"actormesh.zygote\0"
 _WORKER_ARG = b"actormesh.worker\0"
+#: The index in ``sys.path`` of the directory ``-m`` added (the zygote's start directory).
+_CWD_ENTRY: int | None = None
 #: Request header: body length, number of file descriptors sent with it.
 HEADER = struct.Struct("!II")
 
@@ -122,6 +124,8 @@ def _become_worker(request: dict[str, Any], fds: list[int], keep_out: list[int],
         config.reload_environment()
         spec = request["spec"]
         spec["parent_pid"] = zygote_pid  # the parent-death signal follows the zygote
+        if _CWD_ENTRY is not None and _CWD_ENTRY < len(sys.path):
+            sys.path[_CWD_ENTRY] = spec["cwd"]  # ``python -m`` started now would have put it there
         worker.serve(spec)
     except BaseException:
         traceback.print_exc()
@@ -183,7 +187,10 @@ def main() -> None:
     die_with_parent(boot["parent_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the controller's to handle, not ours
     os.chdir(boot["cwd"])
-    sys.path[:0] = [p for p in boot["sys_path"] if p not in sys.path]
+    added = [p for p in boot["sys_path"] if p not in sys.path]
+    sys.path[:0] = added
+    global _CWD_ENTRY
+    _CWD_ENTRY = len(added)  # where ``-m`` put our start directory
     _preload()
     # What is imported now lives as long as every worker: out of the collector's sight,
     # a collection in a worker neither scans it nor writes to (and so copies) its pages.
