@@ -117,8 +117,9 @@ def _become_worker(request: dict[str, Any], fds: list[int], keep_out: list[int],
         os.environ.update(env)
         eager = bool(env.get("PYTHONUNBUFFERED"))
         for stream in (sys.stdout, sys.stderr):
-            if isinstance(stream, io.TextIOWrapper):
-                stream.reconfigure(line_buffering=eager or stream is sys.stderr, write_through=eager)
+            if isinstance(stream, io.TextIOWrapper):  # buffered as a fresh interpreter's would be on this fd
+                line = eager or stream is sys.stderr or os.isatty(stream.fileno())
+                stream.reconfigure(line_buffering=line, write_through=eager)
         from actormesh import config, worker
 
         config.reload_environment()
