@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +29,28 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+def _every_thread_stopped(pid: int) -> bool:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that exited stops nothing
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    ``kill`` only queues the signal: each thread stops when it next leaves the
+    kernel, so a test that acts right after it can race a thread still running
+    (a gateway relaying one more message)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: _every_thread_stopped(pid), timeout, interval=0.001)
 
 
 class FaultRecorder:

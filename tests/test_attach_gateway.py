@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from conftest import wait_for
+from conftest import freeze, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -344,7 +344,7 @@ def test_a_frozen_gateway_is_noticed_by_its_client_within_the_link_timeout(worke
     frozen = psutil.Process(workers.procs[0].pid)
     try:
         assert _result(client)["ready"] == "before"
-        frozen.suspend()
+        freeze(frozen.pid)
         assert client.stdin is not None
         client.stdin.write("go\n")
         client.stdin.flush()

@@ -19,7 +19,7 @@ import torch
 
 import actormesh.rdma._backends as backends
 from actormesh.rdma import BufferDroppedError, OwnerGoneError, RDMABuffer, RDMAError, RDMATimeoutError
-from conftest import wait_for
+from conftest import freeze, wait_for
 from test_rdma import BACKENDS, Owner, crc, no_leaked_shm, owner, rand_bytes, use  # noqa: F401  (no_leaked_shm: autouse fixture)
 
 
@@ -81,7 +81,7 @@ def test_drop_by_owner_or_by_holder_and_a_stopped_owner_times_out(spawn_procs, m
     use(monkeypatch, "tcp")
     buf = o.make.call_one("t", 1000, seed=1).get(timeout=30)
     pid = o.pid.call_one().get(timeout=10)
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         fut = buf.read_into(torch.empty(1000, dtype=torch.uint8), timeout=0.5)
         assert not fut.done()  # the caller was not blocked

@@ -15,7 +15,7 @@ import pytest
 from actormesh import config
 from actormesh.actor import Actor, SupervisionError, endpoint, this_host
 from actormesh.runtime import current_runtime
-from conftest import wait_for
+from conftest import freeze, wait_for
 
 T = 30
 
@@ -133,7 +133,7 @@ def test_a_stopped_zygote_fails_its_spawn_in_time_and_the_next_one_uses_a_new_zy
     p = spawn_procs(per_host={"gpus": 1}).spawn("p", Probe)
     (before,) = p.facts.call().get(timeout=T).values()
     stuck = before["ppid"]
-    os.kill(stuck, signal.SIGSTOP)
+    freeze(stuck)
     try:
         with config.configured(proc_spawn_timeout=2.0):
             late = spawn_procs(per_host={"gpus": 1})
