@@ -72,6 +72,9 @@ from .runtime import (
     shutdown_context,
 )
 from .telemetry import get_meter, span, traced
+from ._standins import install as _install_standins
+
+_install_standins()  # procs.activate() and dashboard_port work without importing those layers
 
 __all__ = [
     "Accumulator",

@@ -10,7 +10,10 @@ extra (``pip install 'actormesh[dashboard]'``). See docs/dashboard.md.
 """
 
 from ._client import DashboardNotFound, fetch_state, locate
-from ._server import INFO_FILE, Dashboard, find_dashboards, job_token, start_dashboard
+from ..runtime import use_dashboard as _use_dashboard
+from ._server import INFO_FILE, Dashboard, find_dashboards, job_token, serve_for_runtime, start_dashboard
 from ._state import Collector
 
-__all__ = ["DashboardNotFound", "fetch_state", "locate", "Dashboard", "Collector", "start_dashboard", "find_dashboards", "job_token", "INFO_FILE"]
+_use_dashboard(serve_for_runtime)  # configure(dashboard_port=...) reaches this layer through it
+
+__all__ = ["DashboardNotFound", "fetch_state", "locate", "Dashboard", "Collector", "start_dashboard", "find_dashboards", "job_token", "INFO_FILE", "serve_for_runtime"]

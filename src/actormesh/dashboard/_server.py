@@ -83,6 +83,11 @@ _running: Dashboard | None = None
 _lock = threading.Lock()
 
 
+def serve_for_runtime(port: int, host: str, runtime: Any) -> str:
+    """:func:`start_dashboard` for ``runtime``, as the runtime asks for it (``use_dashboard``); its URL."""
+    return start_dashboard(port, host, runtime=runtime).url
+
+
 def start_dashboard(port: int = 0, host: str = "127.0.0.1", *, runtime: Any = None, interval_s: float = 1.0) -> Dashboard:
     """Serve the dashboard of this controller's job on ``host:port`` (0: a free port).
 

@@ -20,7 +20,9 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 
-from ..actor import Actor, ActorMesh, ProcMesh, SupervisionError, endpoint
+from ..errors import SupervisionError
+from ..mesh import ActorMesh, ProcMesh, endpoint
+from ..runtime import Actor
 from ..spmd import ElasticEnv, setup_torch_elastic_env
 
 __all__ = ["ActorMeshEnvironment", "ActorMeshLauncher", "MeshStrategyMixin"]

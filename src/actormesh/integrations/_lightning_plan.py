@@ -21,7 +21,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..actor import ProcMesh
+from ..mesh import ProcMesh
 from ..parallel import Plan, PlanError
 from ._lightning_launch import ActorMeshEnvironment, MeshStrategyMixin
 

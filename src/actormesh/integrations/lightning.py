@@ -48,7 +48,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from ..actor import ProcMesh
+from ..mesh import ProcMesh
 from ..parallel import Plan
 from ._lightning_launch import ActorMeshEnvironment, ActorMeshLauncher, MeshStrategyMixin
 from ._lightning_plan import ActorMeshModelParallelStrategy, check_plan, needs_model_parallel

@@ -9,6 +9,7 @@ from ._host_mesh import HostMesh, this_host
 from ._proc_mesh import ProcMesh, proc_mesh_for, release_hosts, this_proc
 from ._singleton import get_or_spawn_controller
 from ._shape import Extent, MeshTrait, Point, Shape
+from ._tensor_methods import TensorEngineAPI, tensor_engine, use_tensor_engine
 from ._value_mesh import ValueMesh
 from ._typed import EndpointProperty, concurrent_endpoint, endpoint
 from ._workspace import WorkspaceSync
@@ -42,6 +43,9 @@ __all__ = [
     "Point",
     "Shape",
     "ValueMesh",
+    "TensorEngineAPI",
+    "tensor_engine",
+    "use_tensor_engine",
     "EndpointProperty",
     "endpoint",
     "concurrent_endpoint",

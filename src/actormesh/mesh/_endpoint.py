@@ -20,6 +20,7 @@ from ..telemetry import STATE as _TELEMETRY
 from ..telemetry import call_context
 from ..transport import dumps
 from ._shape import Shape
+from ._tensor_methods import need_engine
 from ._value_mesh import ValueMesh
 from ._views import _cast_hooks, cast_plan, run_cast_hooks
 
@@ -187,13 +188,7 @@ class Endpoint(Generic[P, R]):
     def rref(self, *args: Any, **kwargs: Any) -> Any:
         """Inside ``mesh.activate()``: call every member as a tensor-engine command and
         return its per-proc result as a distributed tensor (needs ``propagate=``)."""
-        import importlib
-
-        try:
-            rrefs = importlib.import_module("actormesh.tensor._endpoint_tensors")
-        except ImportError as exc:
-            raise ImportError(f"Endpoint.rref needs the tensor engine, which needs torch ({exc})") from exc
-        return rrefs.endpoint_rref(self._mesh, self._prop, args, kwargs)
+        return need_engine("Endpoint.rref()").endpoint_rref(self._mesh, self._prop, args, kwargs)
 
     def _send(self, args: tuple[Any, ...], kwargs: dict[str, Any], port: Port[Any] | None, selection: str) -> None:
         payload = self._prepare(args, kwargs)

@@ -31,6 +31,7 @@ from ..runtime import (
     gather,
     spawn_children,
     stop_children,
+    use_proc_view,
     when_done,
 )
 from ..transport import dumps
@@ -328,3 +329,6 @@ def proc_mesh_for(rt: ProcRuntime) -> ProcMesh:
         pm = ProcMesh([rt.address], Shape.unity(), rt.name, _ProcMeshState(None))
         _this_procs[id(rt)] = pm
     return pm
+
+
+use_proc_view(proc_mesh_for)  # an actor's context().actor_instance.proc

@@ -34,7 +34,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import SupervisionError
-from ..mesh import ActorMesh, ProcMesh
+from ..mesh import ActorMesh, ProcMesh, this_host, this_proc
 from ..parallel import (ElasticTrainer, Plan, Recovery, Trainer, gather_state_dict, spawn_elastic_trainer,
                         spawn_trainer)
 from ..serve import LLMService, SamplingParams
@@ -104,8 +104,6 @@ class GRPOLoop:
         self.config, self.reward_fn, self.prompts, self.timeout_s = config, reward_fn, prompts, timeout_s
         self.trainer_plan = trainer_plan or Plan()
         self.trainer_plan.check_batch(config.batch_size)
-        from ..actor import this_host, this_proc
-
         host = host or this_host()
         self._owned: list[Any] = []
         self.version, self.steps = 0, 0

@@ -13,6 +13,8 @@ from ._actor import (
     concurrent_endpoint,
     endpoint,
     endpoints_of,
+    ProcView,
+    use_proc_view,
 )
 from ._attached import attach_gateway
 from ._cast import CastPlan
@@ -26,7 +28,7 @@ from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
 from ._proc import ProcRuntime
 from ._selfwait import mark_if_self_call
 from ._spawn import ChildProc, kill_all_children, spawn_children, stop_children
-from ._stats import gather_stats, serve_telemetry, stats_snapshot, telemetry_wanted
+from ._stats import DashboardStarter, gather_stats, serve_telemetry, stats_snapshot, telemetry_wanted, use_dashboard
 from ._supervision import (CLIENT_NAME, STOP_MARGIN_S, MeshRecord, RestartPolicy, default_fault_hook, fault_hook, kill_proc,
                            set_fault_hook, stop_mesh)
 
@@ -42,6 +44,8 @@ __all__ = [
     "concurrent_endpoint",
     "endpoint",
     "endpoints_of",
+    "ProcView",
+    "use_proc_view",
     "Channel",
     "Port",
     "PortReceiver",
@@ -75,6 +79,8 @@ __all__ = [
     "stats_snapshot",
     "telemetry_wanted",
     "serve_telemetry",
+    "DashboardStarter",
+    "use_dashboard",
     "spawn_children",
     "kill_all_children",
     "stop_children",

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ..extent import Extent, Point
 
 if TYPE_CHECKING:
-    from ..mesh import ProcMesh
     from ._proc import ProcRuntime
 
 __all__ = [
@@ -31,9 +30,22 @@ __all__ = [
     "Instance",
     "check_actor_class",
     "endpoints_of",
+    "ProcView",
+    "use_proc_view",
 ]
 
 R = TypeVar("R")
+
+#: A runtime's process as a one-proc mesh (the mesh layer's ``ProcMesh``).
+ProcView = Callable[["ProcRuntime"], Any]
+
+_proc_view: ProcView | None = None
+
+
+def use_proc_view(view: ProcView) -> None:
+    """Register what :attr:`Instance.proc` returns: the mesh layer does, when imported."""
+    global _proc_view
+    _proc_view = view
 
 
 class EndpointProperty(Generic[R]):
@@ -287,16 +299,17 @@ class Instance:
         return self._runtime.address
 
     @property
-    def proc(self) -> ProcMesh:
-        """A proc mesh of just this actor's process (spawn more actors next to it)."""
-        # The runtime's one reach upward, a typed lazy import (STYLE.md): a ProcMesh is
-        # the mesh layer's type, and only code that asks for one needs that layer.
-        from ..mesh import proc_mesh_for
+    def proc(self) -> Any:
+        """A ``ProcMesh`` of just this actor's process (spawn more actors next to it).
 
-        return proc_mesh_for(self._runtime)
+        ProcMesh is the mesh layer's type, which registers it (:func:`use_proc_view`)."""
+        if _proc_view is None:
+            raise RuntimeError("actor_instance.proc needs the mesh layer, which is not loaded in this process: "
+                               "import actormesh.actor")
+        return _proc_view(self._runtime)
 
     @property
-    def proc_mesh(self) -> ProcMesh:
+    def proc_mesh(self) -> Any:
         """Same as :attr:`proc` (the full spawning mesh is not tracked here)."""
         return self.proc
 

@@ -10,12 +10,11 @@ silent yields None instead of a row.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import get_config
@@ -27,11 +26,23 @@ from ._ports import OnePort
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
 
-__all__ = ["install", "stats_snapshot", "gather_stats", "telemetry_wanted", "serve_telemetry"]
+__all__ = ["install", "stats_snapshot", "gather_stats", "telemetry_wanted", "serve_telemetry", "DashboardStarter", "use_dashboard"]
 
 log = logging.getLogger("actormesh.runtime")
 
 _HOST = socket.gethostname()
+
+#: Serves the controller's dashboard on (port, host) for a runtime; returns its URL.
+DashboardStarter = Callable[[int, str, "ProcRuntime"], str]
+
+_dashboard: DashboardStarter | None = None
+
+
+def use_dashboard(starter: DashboardStarter) -> None:
+    """Register how this process serves a dashboard (the dashboard layer does, when
+    imported; the ``actormesh.actor`` facade registers one that imports it on first use)."""
+    global _dashboard
+    _dashboard = starter
 
 
 def telemetry_wanted() -> bool:
@@ -69,11 +80,16 @@ def serve_telemetry(rt: ProcRuntime, dashboard: tuple[str, int] | None = None) -
 def _start_dashboard(rt: ProcRuntime, port: int, host: str) -> str | None:
     """The controller serves the dashboard (``configure(dashboard_port=...)``); its URL.
 
-    A lazy import by name: the dashboard sits above this layer and needs FastAPI.
-    A dashboard that cannot start is logged, and the job runs on without it.
+    The dashboard sits above this layer (and needs FastAPI): it is reached through
+    what registered with :func:`use_dashboard`. A dashboard that cannot start is
+    logged, and the job runs on without it.
     """
+    if _dashboard is None:
+        log.error("the dashboard could not start (dashboard_port=%s): no dashboard is loaded in this process; "
+                  "import actormesh.dashboard (or actormesh.actor) before the first spawn", port)
+        return None
     try:
-        return str(importlib.import_module("actormesh.dashboard").start_dashboard(port, host, runtime=rt).url)
+        return _dashboard(port, host, rt)
     except Exception as exc:
         log.error("the dashboard could not start (dashboard_port=%s): %s", port, exc)
         return None

@@ -17,8 +17,12 @@ from ._remote import Remote, call_on_shard_and_fetch, remote
 from ._selection import NDSlice, Selection
 from ._stream import Borrow, Stream, get_active_stream
 from ._tensor import Tensor
+from ._mesh_engine import MESH_ENGINE
+from ..mesh import use_tensor_engine as _use_tensor_engine
+
+_use_tensor_engine(MESH_ENGINE)  # procs.activate() and friends reach this layer through it
 
 __all__ = ["activate", "get_active_mesh", "no_mesh", "fetch_shard", "inspect", "show", "rank_tensor", "Tensor", "RemoteProcessGroup",
            "reduce", "reduce_", "slice_mesh", "to_mesh", "MeshSliceTensor", "remote", "Remote", "call_on_shard_and_fetch",
            "Stream", "Borrow", "get_active_stream", "grad_generator", "grad_function",
-           "coalescing", "OpaqueRef", "NDSlice", "Selection"]
+           "coalescing", "OpaqueRef", "NDSlice", "Selection", "MESH_ENGINE"]
