@@ -19,6 +19,7 @@ Importing this module imports neither torch nor transformers (they load on call)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def make_tokenizer(path: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> Any:
+def make_tokenizer(path: str | os.PathLike[str], *, chat_template: str | None = CHAT_TEMPLATE) -> Any:
     """Train a byte-level BPE tokenizer on CORPUS and save it under ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -62,13 +63,14 @@ def make_tokenizer(path: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> 
     return fast
 
 
-def make_tiny_llama(path: Path, *, max_positions: int = 128, seed: int = 0) -> Path:
-    """Write a random-weight tiny Llama and its tokenizer to ``path``; return ``path``."""
+def make_tiny_llama(path: str | os.PathLike[str], *, max_positions: int = 128, seed: int = 0) -> Path:
+    """Write a random-weight tiny Llama and its tokenizer to ``path`` (made if missing); return it as a Path."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(path)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=32,
@@ -83,5 +85,5 @@ def make_tiny_llama(path: Path, *, max_positions: int = 128, seed: int = 0) -> P
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(str(path))
-    return path
+    LlamaForCausalLM(config).save_pretrained(str(out))
+    return out
