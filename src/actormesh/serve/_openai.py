@@ -70,6 +70,13 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[An
     return result[0]
 
 
+def wants_logprobs(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the answer reports each chosen token's log-probability."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs is not None
+    return bool(req.logprobs)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -90,6 +97,7 @@ class Endpoint:
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed,
             stop_token_ids=() if req.ignore_eos else self.app.stop_token_ids,
+            logprobs=wants_logprobs(req),
         )
 
     def streams(
@@ -120,12 +128,14 @@ class Endpoint:
         return piece
 
     async def collect(self, request: Request, pieces: AsyncIterator[Piece], first: Piece, total: int) -> list[dict[str, Any]]:
-        """Run every choice to its end; return ``[{"text", "finish_reason", "tokens"}]``."""
-        out: list[dict[str, Any]] = [{"text": "", "finish_reason": None, "tokens": 0} for _ in range(total)]
+        """Run every choice to its end; return ``[{"text", "finish_reason", "tokens", "logprobs"}]``
+        (``logprobs``: the chosen tokens' ``(text, log-probability)``, when asked for)."""
+        out: list[dict[str, Any]] = [{"text": "", "finish_reason": None, "tokens": 0, "logprobs": []} for _ in range(total)]
 
         def add(piece: Piece) -> None:
             slot = out[piece.index]
             slot["text"] += piece.text
+            slot["logprobs"].extend(piece.logprobs)
             slot["tokens"] = piece.completion_tokens
             if piece.finish_reason:
                 slot["finish_reason"] = piece.finish_reason
@@ -207,9 +217,13 @@ class OpenAIApp:
             )
         bad = unsupported_fields(req)
         if bad:
+            hint = ""
+            if "logprobs" in bad or "top_logprobs" in bad:
+                hint = ("; only the chosen tokens' log-probabilities are computed: logprobs=0 for completions, "
+                        "logprobs=true without top_logprobs for chat")
             raise OpenAIError(
                 400,
-                f"not supported by this server: {', '.join(bad)} (leave unset)",
+                f"not supported by this server: {', '.join(bad)} (leave unset{hint})",
                 param=bad[0],
                 code="unsupported_parameter",
             )

@@ -30,7 +30,9 @@ from ._openai import (
     metrics_route,
     new_id,
     streaming_response,
+    wants_logprobs,
 )
+from ._openai_logprobs import CompletionLogprobs, chat_logprobs
 from ._openai_errors import OpenAIError, install_error_handlers
 from ._openai_schema import ChatCompletionRequest, CompletionRequest
 from ._text_stream import Piece
@@ -57,6 +59,10 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
         state.check_request(req)
         if req.echo and req.stream:
             raise OpenAIError(400, "echo is not supported with stream=true", param="echo", code="unsupported_parameter")
+        scored = wants_logprobs(req)
+        if req.echo and scored:
+            raise OpenAIError(400, "echo with logprobs asks for the prompt's log-probabilities, which this server does not "
+                              "compute; drop echo or logprobs", param="echo", code="unsupported_parameter")
         prompts = state.prompts.completion_prompts(req)
         max_tokens = state.prompts.max_tokens(prompts, req.max_tokens, "prompt")
         prompt_tokens = sum(len(p) for p in prompts)
@@ -69,9 +75,11 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
         head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": state.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            listed = CompletionLogprobs()
 
             def chunk(p: Piece) -> dict[str, Any]:
-                choice = {"index": p.index, "text": p.text, "logprobs": None, "finish_reason": p.finish_reason}
+                lps = listed.entries(p.index, p.logprobs) if scored else None
+                choice = {"index": p.index, "text": p.text, "logprobs": lps, "finish_reason": p.finish_reason}
                 return {**head, "choices": [choice]}
 
             def usage(completion_tokens: int) -> dict[str, Any] | None:
@@ -85,9 +93,11 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
         completion_tokens = sum(o["tokens"] for o in out)
         state.metrics.completion_tokens.labels(ep.name).inc(completion_tokens)
         choices = []
+        listed = CompletionLogprobs()
         for i, o in enumerate(out):
             echo = state.tokenizer.decode(prompts[i // req.n], skip_special_tokens=True) if req.echo else ""
-            choices.append({"index": i, "text": echo + o["text"], "logprobs": None, "finish_reason": o["finish_reason"]})
+            lps = listed.entries(i, o["logprobs"]) if scored else None
+            choices.append({"index": i, "text": echo + o["text"], "logprobs": lps, "finish_reason": o["finish_reason"]})
         return JSONResponse({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
 
 
@@ -117,7 +127,8 @@ def _add_chat(app: FastAPI, state: OpenAIApp) -> None:
                 greeted.add(p.index)
                 if p.text or "role" in delta:
                     delta["content"] = p.text
-                choice = {"index": p.index, "delta": delta, "logprobs": None, "finish_reason": p.finish_reason}
+                lps = chat_logprobs(p.logprobs) if req.logprobs else None
+                choice = {"index": p.index, "delta": delta, "logprobs": lps, "finish_reason": p.finish_reason}
                 return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
             def usage(completion_tokens: int) -> dict[str, Any] | None:
@@ -136,7 +147,7 @@ def _add_chat(app: FastAPI, state: OpenAIApp) -> None:
             {
                 "index": i,
                 "message": {"role": "assistant", "content": o["text"]},
-                "logprobs": None,
+                "logprobs": chat_logprobs(o["logprobs"]) if req.logprobs else None,
                 "finish_reason": o["finish_reason"],
             }
             for i, o in enumerate(out)

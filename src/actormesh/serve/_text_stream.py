@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 
+from ._token_bytes import token_bytes
 from ._types import SamplingParams, TokenGenerator
 
 #: how long closing a cancelled request's token iterator may take
@@ -57,6 +58,10 @@ class TextDecoder:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (maybe part of a character), as OpenAI's logprobs list it."""
+        return token_bytes(self._tok, token_id)
 
     def feed(self, token_id: int) -> str:
         """Add one token; return the text that became final (maybe empty)."""
@@ -118,6 +123,9 @@ class Piece:
     text: str
     finish_reason: str | None = None  #: "stop" or "length" on the last piece
     completion_tokens: int = 0  #: tokens generated so far for this choice
+    #: with ``SamplingParams.logprobs``: ``(token bytes, log-probability)`` of each token
+    #: generated since the last piece (stop tokens excluded; None from a generator that gave none)
+    logprobs: tuple[tuple[bytes, float | None], ...] = ()
 
 
 async def close_iterator(it: Any) -> None:
@@ -150,29 +158,41 @@ async def run_sequence(
     it = generator.generate(prompt_ids, params)
     count, finish = 0, None
     stop_ids = set(params.stop_token_ids)
+    want = params.logprobs
+    scored: list[tuple[bytes, float | None]] = []  # tokens not yet in a piece, with their log-probabilities
+
+    def taken() -> tuple[tuple[bytes, float | None], ...]:
+        out = tuple(scored)
+        scored.clear()
+        return out
+
     try:
-        async for tid in it:
+        async for item in it:
             if finish is not None:
                 break  # past its end: close it
             count += 1
+            # With logprobs, generators yield (token id, log-probability) pairs.
+            tid, logprob = item if type(item) is tuple else (item, None)
             if tid in stop_ids:
                 finish = "stop"
                 continue
+            if want:
+                scored.append((decoder.token_bytes(tid), logprob))
             delta = decoder.feed(tid)
             if decoder.stopped:
                 finish = "stop"
                 if delta:
-                    yield Piece(index, delta, None, count)
+                    yield Piece(index, delta, None, count, taken())
                 break  # a stop string: the generator does not know, cancel it
             if delta:
-                yield Piece(index, delta, None, count)
+                yield Piece(index, delta, None, count, taken())
             if count >= params.max_tokens:
                 finish = "length"
     finally:
         await close_iterator(it)
     if finish is None:
         finish = "length" if count >= params.max_tokens else "stop"
-    yield Piece(index, decoder.finish(), finish, count)
+    yield Piece(index, decoder.finish(), finish, count, taken())
 
 
 _DONE = object()

@@ -1,0 +1,167 @@
+"""The chosen tokens' log-probabilities over the OpenAI API (``logprobs=0`` for
+completions, ``logprobs=true`` for chat), through the official client, against a
+scripted TokenGenerator that yields ``(token, log-probability)`` pairs as engines do."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from actormesh.serve import OpenAIServer, SamplingParams, create_openai_app
+from actormesh.serve.tiny import make_tokenizer
+
+MODEL = "tiny-lp"
+SCRIPT_TEXT = " hello world, caf\u00e9 \u65e5\u672c\u8a9e actors"
+
+
+def logprob_of(i: int) -> float:
+    return -0.25 * (i + 1)
+
+
+class ScoredGenerator:
+    """Yields a fixed script; with ``params.logprobs``, ``(token, logprob_of(i))`` pairs.
+    ``eos_at``: yield the EOS token at that step instead (a stop token)."""
+
+    max_context = 64
+
+    def __init__(self, script: list[int], eos: int) -> None:
+        self.script, self.eos = script, eos
+        self.eos_at: int | None = None
+        self.asked: list[SamplingParams] = []
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Any]:
+        self.asked.append(params)
+        for i in range(params.max_tokens):
+            await asyncio.sleep(0)
+            tid = self.eos if i == self.eos_at else self.script[i % len(self.script)]
+            yield (tid, logprob_of(i)) if params.logprobs else tid
+            if i == self.eos_at:
+                return
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    make_tokenizer(path)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer: Any) -> Iterator[tuple[openai.OpenAI, ScoredGenerator]]:
+    gen = ScoredGenerator(tokenizer.encode(SCRIPT_TEXT), tokenizer.eos_token_id)
+    with OpenAIServer(create_openai_app(gen, tokenizer, model_name=MODEL), "127.0.0.1", 0) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        yield client, gen
+        client.close()
+
+
+@pytest.fixture
+def client(served: tuple[openai.OpenAI, ScoredGenerator]) -> openai.OpenAI:
+    served[1].eos_at = None
+    served[1].asked.clear()
+    return served[0]
+
+
+def raw_of(token: str) -> bytes:
+    """A completions token back to its bytes (``bytes:\\xe6\\x97`` for part of a character)."""
+    return bytes.fromhex(token[6:].replace("\\x", "")) if token.startswith("bytes:") else token.encode()
+
+
+def test_chat_reports_each_chosen_token(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, logprobs=True)
+    choice = out.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert [e.logprob for e in entries] == [logprob_of(i) for i in range(8)]
+    assert all(e.bytes is not None and e.token == bytes(e.bytes).decode("utf-8", "replace") and e.top_logprobs == []
+               for e in entries)
+    assert b"".join(bytes(e.bytes or []) for e in entries) == (choice.message.content or "").encode()
+    assert any("\ufffd" in e.token for e in entries)  # the script cuts a character in two: its bytes still add up
+
+
+def check_completion_entries(text: str, tokens: list[str], offsets: list[int], n: int) -> None:
+    assert len(tokens) == len(offsets) == n
+    assert b"".join(raw_of(t) for t in tokens) == text.encode()
+    assert offsets == sorted(offsets) and any(t.startswith("bytes:") for t in tokens)
+    for t, o in zip(tokens, offsets):
+        if not t.startswith("bytes:"):
+            assert text[o:o + len(t)] == t
+
+
+def test_completion_lists_tokens_offsets_and_logprobs_per_choice(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=9, logprobs=0, n=2)
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+        check_completion_entries(choice.text, lp.tokens, lp.text_offset, 9)
+        assert lp.token_logprobs == [logprob_of(i) for i in range(9)]
+        assert lp.top_logprobs == [{t: logprob_of(i)} for i, t in enumerate(lp.tokens)]
+
+
+def test_streams_carry_the_same_entries(client: openai.OpenAI) -> None:
+    tokens, offsets, values = [], [], []
+    text = ""
+    for chunk in client.completions.create(model=MODEL, prompt="hello", max_tokens=9, logprobs=0, stream=True):
+        choice = chunk.choices[0]
+        text += choice.text
+        if choice.logprobs is not None:
+            tokens += choice.logprobs.tokens or []
+            offsets += choice.logprobs.text_offset or []
+            values += choice.logprobs.token_logprobs or []
+    check_completion_entries(text, tokens, offsets, 9)
+    assert values == [logprob_of(i) for i in range(9)]
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9, logprobs=True)
+    streamed = [e for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                               max_tokens=9, logprobs=True, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content or []]
+    assert whole.choices[0].logprobs is not None
+    assert [(e.bytes, e.logprob) for e in streamed] == [(e.bytes, e.logprob) for e in whole.choices[0].logprobs.content or []]
+
+
+def test_a_stop_token_is_not_listed_and_unasked_means_none(served: tuple[openai.OpenAI, ScoredGenerator],
+                                                            client: openai.OpenAI) -> None:
+    served[1].eos_at = 3
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, logprobs=0)
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].logprobs is not None
+    assert out.choices[0].logprobs.token_logprobs == [logprob_of(i) for i in range(3)]
+    served[1].eos_at = None
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert plain.choices[0].logprobs is None and served[1].asked[-1].logprobs is False
+
+
+@pytest.mark.parametrize("kind, extra, field", [
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"logprobs": 0, "echo": True}, "echo"),
+    ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+])
+def test_what_is_not_computed_is_refused_by_name(client: openai.OpenAI, kind: str, extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        if kind == "completions":
+            client.completions.create(model=MODEL, prompt="hello", max_tokens=2, **extra)
+        else:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra)
+    assert info.value.param == field and "log-probabilities" in info.value.message
+
+
+def test_token_bytes_of_byte_fallback_and_plain_pieces() -> None:
+    """SentencePiece's byte fallback names a lone byte ``<0xE6>``; other pieces give their text."""
+    from actormesh.serve._token_bytes import token_bytes
+
+    class Piecewise:
+        pieces = {1: "<0xE6>", 2: "\u2581hello", 3: "<s>"}
+
+        def convert_ids_to_tokens(self, i: int) -> str:
+            return self.pieces[i]
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            return {2: " hello", 3: "<s>"}[ids[0]]
+
+    tok = Piecewise()
+    assert [token_bytes(tok, i) for i in (1, 2, 3)] == [b"\xe6", b" hello", b"<s>"]
