@@ -356,6 +356,15 @@ def test_logprobs_are_the_models_log_softmax_of_each_sampled_token(llama: tuple[
             logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
         want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert torch.allclose(torch.tensor([lp for _, lp in pairs]), want, atol=1e-4)
+    # with top_logprobs, each position's most probable tokens too, as the model ranks them
+    triples = asyncio.run(collect(engine, prompt, SamplingParams(max_tokens=5, logprobs=True, top_logprobs=3)))
+    tokens = [t for t, _, _ in triples]
+    with torch.no_grad():
+        scores = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float(), -1)
+    values, ids = scores.topk(3, -1)
+    assert [[i for i, _ in top] for _, _, top in triples] == ids.tolist()
+    assert torch.allclose(torch.tensor([[lp for _, lp in top] for _, _, top in triples], dtype=torch.float64), values.double(), atol=1e-4)
+    assert [t for t, _, _ in triples] == [top[0][0] for _, _, top in triples]  # greedy: the most probable one
     # a request without logprobs beside one with them streams plain token ids
     plain = asyncio.run(collect(engine, prompt, SamplingParams(max_tokens=5)))
     assert plain == [t for t, _ in asyncio.run(collect(engine, prompt, SamplingParams(max_tokens=5, logprobs=True)))]

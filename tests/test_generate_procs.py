@@ -99,6 +99,9 @@ def test_greedy_equals_hf_generate_under_the_plan(procs: Any, plan: Plan) -> Non
             logits = old(torch.tensor([PROMPTS[1] + tokens])).logits[0, len(PROMPTS[1]) - 1:-1]
         want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
         assert torch.allclose(torch.tensor([lp for _, lp in pairs]), want, atol=1e-4)
+        triples = run(collect(client, PROMPTS[1], SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2)))
+        assert [t for t, _, _ in triples] == tokens and [top[0][0] for _, _, top in triples] == tokens
+        assert torch.allclose(torch.tensor([top[0][1] for _, _, top in triples], dtype=torch.float64), want.double(), atol=1e-4)
         # weights that do not fit are refused by the rank that checks them; nothing is swapped anywhere
         partial_state = {k: v for k, v in from_hf_state_dict(new.state_dict()).items() if not k.startswith("blocks.3.")}
         with pytest.raises(ValueError, match="lack"):

@@ -18,6 +18,10 @@ MODEL = "tiny-lp"
 SCRIPT_TEXT = " hello world, caf\u00e9 \u65e5\u672c\u8a9e actors"
 
 
+#: the alternatives the generator lists at every position: plain ASCII tokens of the tiny tokenizer
+TOP = [70, 71, 72]
+
+
 def logprob_of(i: int) -> float:
     return -0.25 * (i + 1)
 
@@ -38,7 +42,10 @@ class ScoredGenerator:
         for i in range(params.max_tokens):
             await asyncio.sleep(0)
             tid = self.eos if i == self.eos_at else self.script[i % len(self.script)]
-            yield (tid, logprob_of(i)) if params.logprobs else tid
+            if params.top_logprobs:
+                yield (tid, logprob_of(i), tuple((t, logprob_of(i) - j) for j, t in enumerate(TOP[:params.top_logprobs])))
+            else:
+                yield (tid, logprob_of(i)) if params.logprobs else tid
             if i == self.eos_at:
                 return
 
@@ -136,18 +143,36 @@ def test_a_stop_token_is_not_listed_and_unasked_means_none(served: tuple[openai.
     assert plain.choices[0].logprobs is None and served[1].asked[-1].logprobs is False
 
 
-@pytest.mark.parametrize("kind, extra, field", [
-    ("completions", {"logprobs": 2}, "logprobs"),
-    ("completions", {"logprobs": 0, "echo": True}, "echo"),
-    ("chat", {"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+def test_the_most_probable_tokens_per_position(served: tuple[openai.OpenAI, ScoredGenerator], client: openai.OpenAI,
+                                                tokenizer: Any) -> None:
+    alternatives = [tokenizer.decode([t]) for t in TOP]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2)
+    assert served[1].asked[-1].top_logprobs == 2 and chat.choices[0].logprobs is not None
+    for i, e in enumerate(chat.choices[0].logprobs.content or []):
+        assert [(t.token, t.logprob, t.bytes) for t in e.top_logprobs] == [
+            (a, logprob_of(i) - j, list(a.encode())) for j, a in enumerate(alternatives[:2])]
+    out = client.completions.create(model=MODEL, prompt="hello", max_tokens=4, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and lp.tokens is not None
+    for i, (chosen, top) in enumerate(zip(lp.tokens, lp.top_logprobs)):
+        assert top == {chosen: logprob_of(i), **{a: logprob_of(i) - j for j, a in enumerate(alternatives)}}
+
+
+@pytest.mark.parametrize("kind, extra, field, says", [
+    ("completions", {"logprobs": 0, "echo": True}, "echo", "prompt's log-probabilities"),
+    ("completions", {"logprobs": 6}, "logprobs", "less than or equal to 5"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
 ])
-def test_what_is_not_computed_is_refused_by_name(client: openai.OpenAI, kind: str, extra: dict[str, Any], field: str) -> None:
+def test_what_cannot_be_answered_is_refused_by_name(client: openai.OpenAI, kind: str, extra: dict[str, Any], field: str,
+                                                    says: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         if kind == "completions":
             client.completions.create(model=MODEL, prompt="hello", max_tokens=2, **extra)
         else:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra)
-    assert info.value.param == field and "log-probabilities" in info.value.message
+    assert info.value.param == field and says in info.value.message
 
 
 def test_token_bytes_of_byte_fallback_and_plain_pieces() -> None:

@@ -48,6 +48,7 @@ class StepPlan:
     seeds: dict[int, int] = field(default_factory=dict)
     version: int = 0  #: for "swap": which staged weights to install
     logprobs: bool = False  #: also give each sampled token's log-probability (``StepRunner.last_logprobs``)
+    top_logprobs: int = 0  #: and the most probable tokens of each row, this many (``StepRunner.last_top_logprobs``)
 
     def groups(self) -> list[list[int]]:
         """Row indices of the prefill pass (new prompts) and of the decode pass (one token each)."""
@@ -87,12 +88,18 @@ class Sampler:
         self.generators: dict[int, Any] = {}
 
     @staticmethod
-    def logprobs(logits: Any, tokens: list[int]) -> list[float]:
-        """Each row's log-probability of its token under the model's distribution (the raw logits)."""
+    def logprobs(logits: Any, tokens: list[int], top: int = 0) -> tuple[list[float], Any]:
+        """Each row's log-probability of its token under the model's distribution (the raw logits);
+        with ``top``, also the ``top`` most probable tokens per row: ``(ids, values)``, each ``[rows, top]``."""
         import torch
 
         picked = torch.tensor(tokens, device=logits.device)[:, None]
-        return torch.log_softmax(logits.float(), dim=-1).gather(1, picked)[:, 0].tolist()
+        scores = torch.log_softmax(logits.float(), dim=-1)
+        chosen = scores.gather(1, picked)[:, 0].tolist()
+        if not top:
+            return chosen, None
+        values, ids = scores.topk(top, dim=-1)  # top <= vocabulary: checked with the prompt
+        return chosen, (ids, values)
 
     def sample(self, logits: Any, plan: StepPlan, rows: list[int]) -> list[int]:
         """Tokens for ``rows`` of ``plan`` from ``logits[len(rows), vocab]``."""
@@ -152,6 +159,8 @@ class StepRunner:
         self.chunk, self.cache, self.device, self.links = chunk, cache, device, links
         self.sampler = Sampler()
         self.last_logprobs: list[float] | None = None  #: of the last ``run`` whose plan asked for them (rank 0)
+        #: per row, the most probable tokens as (id, log-probability) pairs, when the last plan asked (rank 0)
+        self.last_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
         self.forward = chunk.forward_cached
         self.compiled = bool(compile)
         if compile:
@@ -177,6 +186,7 @@ class StepRunner:
                     logits.append(out)
         tokens: list[int] | None = None
         logprobs: list[float] | None = None
+        top: Any = None
         if self.samples:
             rows_logits = torch.cat(logits) if len(logits) > 1 else logits[0]
             picked = self.sampler.sample(rows_logits, plan, order)
@@ -185,9 +195,15 @@ class StepRunner:
                 tokens[row] = tok
             if plan.logprobs:
                 logprobs = [0.0] * len(order)
-                for row, lp in zip(order, Sampler.logprobs(rows_logits, picked)):
+                chosen, top = Sampler.logprobs(rows_logits, picked, plan.top_logprobs)
+                for row, lp in zip(order, chosen):
                     logprobs[row] = lp
-        tokens, self.last_logprobs = self._to_rank0(tokens, logprobs, len(order), plan.logprobs)
+                if top is not None:  # rows in plan order, as tokens
+                    where = torch.tensor(order).argsort()
+                    top = (top[0][where], top[1][where])
+        tokens, self.last_logprobs, top = self._to_rank0(tokens, logprobs, top, len(order), plan)
+        self.last_top_logprobs = None if top is None else [
+            tuple(zip(ids, values)) for ids, values in zip(top[0].tolist(), top[1].double().tolist())]
         return tokens
 
     def _forward(self, plan: StepPlan, rows: list[int]) -> Any:
@@ -223,27 +239,36 @@ class StepRunner:
             return None
         return h[:, -1]
 
-    def _to_rank0(self, tokens: list[int] | None, logprobs: list[float] | None, n: int,
-                  with_logprobs: bool) -> tuple[list[int] | None, list[float] | None]:
-        """Bring the sampled tokens (and their log-probabilities) to rank 0 when another rank sampled them."""
+    def _to_rank0(self, tokens: list[int] | None, logprobs: list[float] | None, top: Any, n: int,
+                  plan: StepPlan) -> tuple[list[int] | None, list[float] | None, Any]:
+        """Bring the sampled tokens (their log-probabilities, the top tokens) to rank 0 when another rank sampled them."""
         import torch
         import torch.distributed as dist
 
         links = self.links
         if links is None or links.sampler_rank == 0:
-            return (tokens, logprobs) if links is None or links.rank == 0 else (None, None)
+            return (tokens, logprobs, top) if links is None or links.rank == 0 else (None, None, None)
+        k = plan.top_logprobs if plan.logprobs else 0
         if links.rank == links.sampler_rank:
             dist.send(torch.tensor(tokens, dtype=torch.long), dst=0)
-            if with_logprobs:
+            if plan.logprobs:
                 dist.send(torch.tensor(logprobs, dtype=torch.float64), dst=0)
-            return None, None
+            if k:
+                dist.send(top[0].cpu().contiguous(), dst=0)
+                dist.send(top[1].cpu().double().contiguous(), dst=0)
+            return None, None, None
         if links.rank == 0:
             buf = torch.empty(n, dtype=torch.long)
             dist.recv(buf, src=links.sampler_rank)
-            lps = None
-            if with_logprobs:
+            lps, got = None, None
+            if plan.logprobs:
                 lp_buf = torch.empty(n, dtype=torch.float64)
                 dist.recv(lp_buf, src=links.sampler_rank)
                 lps = lp_buf.tolist()
-            return buf.tolist(), lps
-        return None, None
+            if k:
+                ids, values = torch.empty((n, k), dtype=torch.long), torch.empty((n, k), dtype=torch.float64)
+                dist.recv(ids, src=links.sampler_rank)
+                dist.recv(values, src=links.sampler_rank)
+                got = (ids, values)
+            return buf.tolist(), lps, got
+        return None, None, None

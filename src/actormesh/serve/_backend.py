@@ -17,7 +17,8 @@ class EngineBackend(Protocol):
 
     def run(self, plan: StepPlan) -> list[int]:
         """Run one step; the next token of every row. After a plan with ``logprobs=True``, a backend
-        that can also has their log-probabilities in ``last_logprobs``."""
+        that can also has their log-probabilities in ``last_logprobs`` (and, with ``top_logprobs``,
+        each row's most probable tokens in ``last_top_logprobs``)."""
         ...
 
     def idle(self) -> None:
@@ -65,6 +66,11 @@ class LocalBackend:
     def last_logprobs(self) -> list[float] | None:
         """The last step's log-probabilities, when its plan asked for them."""
         return self.runner.last_logprobs
+
+    @property
+    def last_top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
+        """The last step's most probable tokens per row, when its plan asked for them."""
+        return self.runner.last_top_logprobs
 
     def idle(self) -> None:
         pass

@@ -29,6 +29,15 @@ from ._types import SamplingParams
 __all__ = ["LLMEngine", "EngineClosedError"]
 
 
+
+def _item(event: Event) -> Any:
+    """What a token event yields: the id, or with log-probabilities a tuple (see ``generate``)."""
+    if event.logprob is None:
+        return event.token
+    if event.top is None:
+        return (event.token, event.logprob)
+    return (event.token, event.logprob, event.top)
+
 class EngineClosedError(RuntimeError):
     """The engine was closed (or broke) before the request finished."""
 
@@ -113,7 +122,8 @@ class LLMEngine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[int]:
         """Stream the new token ids of one request (the TokenGenerator protocol); with
-        ``params.logprobs``, ``(token id, log-probability)`` pairs.
+        ``params.logprobs``, ``(token id, log-probability)`` pairs, and with ``params.top_logprobs``
+        ``(token id, log-probability, ((id, log-probability), ...))``.
 
         Validates at once (ValueError for a prompt over the context); the
         request starts when the iterator is first awaited. Closing it early
@@ -145,7 +155,7 @@ class LLMEngine:
                 if event.finish is not None:
                     finished = True
                     return
-                yield event.token if event.logprob is None else (event.token, event.logprob)  # type: ignore[misc]
+                yield _item(event)
         finally:
             if not finished:
                 self.cancel(rid)
@@ -312,7 +322,8 @@ class LLMEngine:
         self.steps += 1
         self.step_s += took
         logprobs = getattr(self.backend, "last_logprobs", None) if plan.logprobs else None
-        for req, event in self._scheduler.commit(plan, tokens, logprobs):
+        tops = getattr(self.backend, "last_top_logprobs", None) if plan.top_logprobs else None
+        for req, event in self._scheduler.commit(plan, tokens, logprobs, tops):
             if event.token is not None:
                 self.tokens_generated += 1
             _deliver(req, event)

@@ -114,6 +114,11 @@ class _ReplicaBackend:
         """The last step's log-probabilities, when its plan asked for them."""
         return self.replica.runner.last_logprobs
 
+    @property
+    def last_top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
+        """The last step's most probable tokens per row, when its plan asked for them."""
+        return self.replica.runner.last_top_logprobs
+
     def idle(self) -> None:
         if self.replica.distributed and time.monotonic() - self._last_broadcast >= self.idle_s:
             self._broadcast(StepPlan(kind="idle"))

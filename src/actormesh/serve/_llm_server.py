@@ -189,8 +189,10 @@ class LLMServer(Actor):
             if event.token is not None:
                 if event.logprob is None:
                     self._queue(port, (request_id, "token", event.token))
-                else:
+                elif event.top is None:
                     self._queue(port, (request_id, "token", (event.token, event.logprob)))
+                else:
+                    self._queue(port, (request_id, "token", (event.token, event.logprob, event.top)))
                 return
             if event.error is None:
                 self._queue(port, (request_id, "end", event.finish))

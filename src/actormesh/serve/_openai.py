@@ -77,6 +77,15 @@ def wants_logprobs(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(req.logprobs)
 
 
+def top_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many of the most probable tokens to list per position."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs or 0
+    if req.top_logprobs and not req.logprobs:
+        raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code=None)
+    return req.top_logprobs or 0
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -98,6 +107,7 @@ class Endpoint:
             seed=seed,
             stop_token_ids=() if req.ignore_eos else self.app.stop_token_ids,
             logprobs=wants_logprobs(req),
+            top_logprobs=top_logprobs(req),
         )
 
     def streams(
@@ -215,15 +225,12 @@ class OpenAIApp:
                 param="model",
                 code="model_not_found",
             )
+        top_logprobs(req)  # a 400 for top_logprobs without logprobs
         bad = unsupported_fields(req)
         if bad:
-            hint = ""
-            if "logprobs" in bad or "top_logprobs" in bad:
-                hint = ("; only the chosen tokens' log-probabilities are computed: logprobs=0 for completions, "
-                        "logprobs=true without top_logprobs for chat")
             raise OpenAIError(
                 400,
-                f"not supported by this server: {', '.join(bad)} (leave unset{hint})",
+                f"not supported by this server: {', '.join(bad)} (leave unset)",
                 param=bad[0],
                 code="unsupported_parameter",
             )

@@ -1,14 +1,15 @@
-"""The chosen tokens' log-probabilities in OpenAI's two shapes.
+"""Log-probabilities of the chosen tokens (and the most probable ones) in OpenAI's two shapes.
 
 Tokens arrive as their exact bytes (``_token_bytes``): one may hold part of a
-UTF-8 character. Chat (``logprobs: true``): ``content``, one entry per token
-with its text, log-probability, bytes (which add up to the answer's) and an empty
-``top_logprobs``. Completions (``logprobs: 0``): parallel lists ``tokens`` (a
-token that is part of a character is written ``bytes:\\xe6\\x97``, as OpenAI
-does), ``token_logprobs``, ``top_logprobs`` (each position's dict holds the
-chosen token only: OpenAI returns up to ``logprobs + 1`` entries) and
-``text_offset``, the character of the choice's text where each token starts. A
-streamed choice gets the entries of the tokens in each chunk.
+UTF-8 character. Chat (``logprobs: true``, ``top_logprobs: k``): ``content``,
+one entry per token with its text, log-probability, bytes (which add up to the
+answer's) and its position's ``k`` most probable tokens. Completions
+(``logprobs: k``): parallel lists ``tokens`` (a token that is part of a
+character is written ``bytes:\\xe6\\x97``, as OpenAI does), ``token_logprobs``,
+``top_logprobs`` (per position the ``k`` most probable tokens and the chosen
+one: up to ``k + 1`` entries, as OpenAI gives) and ``text_offset``, the
+character of the choice's text where each token starts. A streamed choice gets
+the entries of the tokens in each chunk.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import codecs
 from collections.abc import Sequence
 from typing import Any
 
+from ._text_stream import TokenScore
+
 __all__ = ["CompletionLogprobs", "chat_logprobs"]
 
-Scored = Sequence[tuple[bytes, "float | None"]]
+Scored = Sequence[TokenScore]
 
 
 def _completion_token(raw: bytes) -> str:
@@ -44,23 +47,28 @@ class CompletionLogprobs:
             decoder = self._decoders[index] = codecs.getincrementaldecoder("utf-8")("replace")
         chars = self._chars.get(index, 0)
         tokens, offsets = [], []
-        for raw, _ in scored:
+        for raw, _, _ in scored:
             offsets.append(chars)  # a token that ends a cut character points at where it starts
             tokens.append(_completion_token(raw))
             chars += len(decoder.decode(raw))
         self._chars[index] = chars
         return {
             "tokens": tokens,
-            "token_logprobs": [lp for _, lp in scored],
-            "top_logprobs": [{t: lp} for t, (_, lp) in zip(tokens, scored)],
+            "token_logprobs": [lp for _, lp, _ in scored],
+            # The chosen token and the most probable ones: up to logprobs + 1 entries, as OpenAI gives.
+            "top_logprobs": [{t: lp, **{_completion_token(a): alp for a, alp in top}} for t, (_, lp, top) in zip(tokens, scored)],
             "text_offset": offsets,
         }
+
+
+def _chat_token(raw: bytes, logprob: float | None) -> dict[str, Any]:
+    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(scored: Scored) -> dict[str, Any]:
     """The chat shape for ``scored`` tokens."""
     return {
-        "content": [{"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw), "top_logprobs": []}
-                    for raw, lp in scored],
+        "content": [{**_chat_token(raw, lp), "top_logprobs": [_chat_token(a, alp) for a, alp in top]}
+                    for raw, lp, top in scored],
         "refusal": None,
     }

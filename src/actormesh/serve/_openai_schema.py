@@ -3,8 +3,8 @@
 Only requests are modelled: responses are plain dicts built in ``_openai``
 (the official client parses them). Fields are those of OpenAI's API reference;
 ``top_k`` and ``ignore_eos`` are extensions (as in vLLM). Fields that OpenAI defines but this
-server does not implement (alternatives to the chosen tokens' log-probabilities,
-penalties, tools, logit bias) are accepted by the schema only so that
+server does not implement (penalties, tools, logit bias) are accepted by the
+schema only so that
 :func:`unsupported_fields` can answer them with a 400 that names the field,
 rather than a silent wrong answer. A field that
 OpenAI does not define is a 400 too (``extra="forbid"``): a typo such as
@@ -53,7 +53,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
-    #: 0: each chosen token's log-probability; more (alternatives per position) is not implemented
+    #: each chosen token's log-probability and this many of the most probable tokens per position
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = None
     suffix: str | None = None
@@ -92,7 +92,7 @@ class ChatCompletionRequest(_Common):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None  #: each chosen token's log-probability
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)  #: only 0 is implemented
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  #: and this many of the most probable tokens (needs logprobs)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -103,7 +103,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "logit_bias": None,
-    "top_logprobs": 0,
     "suffix": None,
     "tools": None,
     "tool_choice": None,
@@ -114,8 +113,7 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> list[s
     """Names of fields set to something this server does not implement.
 
     ``best_of`` equal to ``n`` and ``response_format`` of type ``text`` mean the
-    default behaviour and are allowed; ``logprobs: false`` likewise. Completions'
-    ``logprobs`` above 0 asks for alternatives per position, which are not computed.
+    default behaviour and are allowed; ``logprobs: false`` likewise.
     """
     bad = []
     for name, neutral in _UNSUPPORTED.items():
@@ -125,8 +123,6 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> list[s
         if name == "tool_choice" and value == "none":
             continue
         bad.append(name)
-    if isinstance(req, CompletionRequest) and req.logprobs:
-        bad.append("logprobs")
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != req.n:
         bad.append("best_of")

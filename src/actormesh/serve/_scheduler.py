@@ -31,6 +31,8 @@ class Event:
     finish: str | None = None  #: "stop" (a stop token), "length" (max_tokens), "cancelled"
     error: BaseException | None = None
     logprob: float | None = None  #: the token's log-probability, when the request asked for it
+    #: the most probable tokens at this position, ``(id, log-probability)``, when the request asked for them
+    top: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(eq=False)
@@ -60,6 +62,8 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int
     if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
+    if vocab_size is not None and params.top_logprobs > vocab_size:
+        raise ValueError(f"top_logprobs={params.top_logprobs} is more than the model's vocabulary of {vocab_size} tokens")
     if len(ids) + params.max_tokens > max_context:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {len(ids) + params.max_tokens} "
                          f"is over the model's context of {max_context} tokens: shorten the prompt or lower max_tokens")
@@ -114,10 +118,13 @@ class Scheduler:
             p = req.params
             plan.sampling.append((float(p.temperature), int(p.top_k), float(p.top_p)))
             plan.logprobs = plan.logprobs or p.logprobs
+            plan.top_logprobs = max(plan.top_logprobs, p.top_logprobs)
         return plan if plan.slots else None
 
-    def commit(self, plan: StepPlan, tokens: list[int], logprobs: list[float] | None = None) -> list[tuple[Request, Event]]:
-        """Apply the step's sampled ``tokens`` (and their ``logprobs``); the events to deliver, in row order."""
+    def commit(self, plan: StepPlan, tokens: list[int], logprobs: list[float] | None = None,
+               tops: list[tuple[tuple[int, float], ...]] | None = None) -> list[tuple[Request, Event]]:
+        """Apply the step's sampled ``tokens`` (their ``logprobs``, each row's most probable tokens ``tops``);
+        the events to deliver, in row order."""
         events: list[tuple[Request, Event]] = []
         for row, (slot, fed, start, token) in enumerate(zip(plan.slots, plan.tokens, plan.starts, tokens)):
             req = self.running[slot]
@@ -129,7 +136,9 @@ class Scheduler:
             req.generated.append(token)
             req.pending = token
             logprob = logprobs[row] if logprobs is not None and req.params.logprobs else None
-            events.append((req, Event(token=token, logprob=logprob)))
+            k = req.params.top_logprobs
+            top = tops[row][:k] if tops is not None and k else None
+            events.append((req, Event(token=token, logprob=logprob, top=top)))
             if len(req.generated) >= req.params.max_tokens:
                 self._retire(req)
                 events.append((req, Event(finish="length")))

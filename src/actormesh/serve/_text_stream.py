@@ -115,6 +115,11 @@ def _longest_stop_prefix_tail(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+#: A token's bytes, its log-probability (None from a generator that gave none) and, when
+#: asked for, the most probable tokens at its position as ``(bytes, log-probability)``.
+TokenScore = tuple[bytes, "float | None", "tuple[tuple[bytes, float], ...]"]
+
+
 @dataclass(frozen=True)
 class Piece:
     """Text for choice ``index``; the last piece of a choice has ``finish_reason``."""
@@ -123,9 +128,8 @@ class Piece:
     text: str
     finish_reason: str | None = None  #: "stop" or "length" on the last piece
     completion_tokens: int = 0  #: tokens generated so far for this choice
-    #: with ``SamplingParams.logprobs``: ``(token bytes, log-probability)`` of each token
-    #: generated since the last piece (stop tokens excluded; None from a generator that gave none)
-    logprobs: tuple[tuple[bytes, float | None], ...] = ()
+    #: with ``SamplingParams.logprobs``: each token generated since the last piece (stop tokens excluded)
+    logprobs: tuple[TokenScore, ...] = ()
 
 
 async def close_iterator(it: Any) -> None:
@@ -159,9 +163,9 @@ async def run_sequence(
     count, finish = 0, None
     stop_ids = set(params.stop_token_ids)
     want = params.logprobs
-    scored: list[tuple[bytes, float | None]] = []  # tokens not yet in a piece, with their log-probabilities
+    scored: list[TokenScore] = []  # tokens not yet in a piece, with their log-probabilities
 
-    def taken() -> tuple[tuple[bytes, float | None], ...]:
+    def taken() -> tuple[TokenScore, ...]:
         out = tuple(scored)
         scored.clear()
         return out
@@ -171,13 +175,18 @@ async def run_sequence(
             if finish is not None:
                 break  # past its end: close it
             count += 1
-            # With logprobs, generators yield (token id, log-probability) pairs.
-            tid, logprob = item if type(item) is tuple else (item, None)
+            # With logprobs, generators yield (token id, log-probability[, top tokens]).
+            top: Sequence[tuple[int, float]] = ()
+            if type(item) is tuple:
+                tid, logprob, *rest = item
+                top = rest[0] if rest else ()
+            else:
+                tid, logprob = item, None
             if tid in stop_ids:
                 finish = "stop"
                 continue
             if want:
-                scored.append((decoder.token_bytes(tid), logprob))
+                scored.append((decoder.token_bytes(tid), logprob, tuple((decoder.token_bytes(t), lp) for t, lp in top)))
             delta = decoder.feed(tid)
             if decoder.stopped:
                 finish = "stop"

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
+#: the most alternatives per position a request may ask for (OpenAI's chat limit)
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick new tokens. ``temperature == 0`` means greedy.
@@ -30,6 +34,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     #: also report each new token's log-probability under the model (``LLMService.sample``, ``Event.logprob``)
     logprobs: bool = False
+    #: with ``logprobs``: also the ``top_logprobs`` most probable tokens at each position, as
+    #: ``(token id, log-probability)`` pairs (generators then yield ``(token, logprob, top)``)
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +47,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
 
 
 @runtime_checkable
