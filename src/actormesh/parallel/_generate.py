@@ -24,7 +24,19 @@ from typing import Any
 
 from ._kv_cache import KVCache
 
-__all__ = ["StepPlan", "Sampler", "StepRunner", "StageLinks", "sample_token"]
+__all__ = ["StepPlan", "Shaping", "Sampler", "StepRunner", "StageLinks", "sample_token"]
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """How a request changes the logits before its tokens are picked (OpenAI's sampling
+    options): ``logit_bias`` adds to the given token ids; ``presence_penalty`` subtracts
+    from every token it has generated once or more, ``frequency_penalty`` that many times.
+    Log-probabilities are reported from the unchanged logits."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -36,8 +48,9 @@ class StepPlan:
     Row ``i`` feeds ``tokens[i]`` into slot ``slots[i]`` starting at position
     ``starts[i]`` (0 for a prompt) and picks its next token with
     ``sampling[i] = (temperature, top_k, top_p)``; ``seeds`` gives the sampling
-    seed of each slot whose request starts in this step; ``version`` names
-    the staged weights a ``"swap"`` installs.
+    seed of each slot whose request starts in this step, ``shaping`` the
+    penalties and logit bias of those that have them (:class:`Shaping`);
+    ``version`` names the staged weights a ``"swap"`` installs.
     """
 
     kind: str = "step"
@@ -46,6 +59,7 @@ class StepPlan:
     starts: list[int] = field(default_factory=list)
     sampling: list[tuple[float, int, float]] = field(default_factory=list)
     seeds: dict[int, int] = field(default_factory=dict)
+    shaping: dict[int, Shaping] = field(default_factory=dict)
     version: int = 0  #: for "swap": which staged weights to install
     logprobs: bool = False  #: also give each sampled token's log-probability (``StepRunner.last_logprobs``)
     top_logprobs: int = 0  #: and the most probable tokens of each row, this many (``StepRunner.last_top_logprobs``)
@@ -82,10 +96,29 @@ def sample_token(logits: Any, temperature: float, top_k: int, top_p: float, gene
 
 class Sampler:
     """Picks each row's next token; one seeded ``torch.Generator`` per slot, so a request's samples
-    depend only on its seed and its logits, not on which other requests share the batch."""
+    depend only on its seed and its logits, not on which other requests share the batch. A slot
+    whose request has a :class:`Shaping` also keeps the counts of the tokens it generated."""
 
     def __init__(self) -> None:
         self.generators: dict[int, Any] = {}
+        self.shaping: dict[int, Shaping] = {}
+        self.counts: dict[int, dict[int, int]] = {}
+
+    def _shaped(self, logits: Any, slot: int) -> Any:
+        """One row's logits after its request's bias and penalties (a copy; the input is unchanged)."""
+        import torch
+
+        shape = self.shaping[slot]
+        out = logits.float().clone()
+        if shape.logit_bias:
+            ids, bias = zip(*shape.logit_bias)
+            out[torch.tensor(ids, device=out.device)] += torch.tensor(bias, device=out.device)
+        counts = self.counts.get(slot)
+        if counts:
+            ids = torch.tensor(list(counts), device=out.device)
+            seen = torch.tensor(list(counts.values()), dtype=out.dtype, device=out.device)
+            out[ids] -= shape.presence_penalty + shape.frequency_penalty * seen
+        return out
 
     @staticmethod
     def logprobs(logits: Any, tokens: list[int], top: int = 0) -> tuple[list[float], Any]:
@@ -105,18 +138,28 @@ class Sampler:
         """Tokens for ``rows`` of ``plan`` from ``logits[len(rows), vocab]``."""
         import torch
 
-        for slot, seed in plan.seeds.items():
+        for slot, seed in plan.seeds.items():  # a request starts in this slot
             gen = torch.Generator(device=logits.device)
             gen.manual_seed(seed)
             self.generators[slot] = gen
+            self.shaping.pop(slot, None)
+            self.counts.pop(slot, None)
+        self.shaping.update(plan.shaping)
         greedy = logits.argmax(-1).tolist()
         out = []
         for j, row in enumerate(rows):
             temperature, top_k, top_p = plan.sampling[row]
+            slot = plan.slots[row]
+            shaped = slot in self.shaping
+            row_logits = self._shaped(logits[j], slot) if shaped else logits[j]
             if temperature == 0:
-                out.append(int(greedy[j]))
+                tok = int(row_logits.argmax()) if shaped else int(greedy[j])
             else:
-                out.append(sample_token(logits[j], temperature, top_k, top_p, self.generators[plan.slots[row]]))
+                tok = sample_token(row_logits, temperature, top_k, top_p, self.generators[slot])
+            if shaped:
+                counts = self.counts.setdefault(slot, {})
+                counts[tok] = counts.get(tok, 0) + 1
+            out.append(tok)
         return out
 
 

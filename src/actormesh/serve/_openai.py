@@ -108,6 +108,9 @@ class Endpoint:
             stop_token_ids=() if req.ignore_eos else self.app.stop_token_ids,
             logprobs=wants_logprobs(req),
             top_logprobs=top_logprobs(req),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=req.token_bias(),
         )
 
     def streams(
@@ -226,6 +229,14 @@ class OpenAIApp:
                 code="model_not_found",
             )
         top_logprobs(req)  # a 400 for top_logprobs without logprobs
+        try:
+            bias = req.token_bias()
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="logit_bias") from None
+        outside = [t for t in bias or {} if t >= self.prompts.vocab_size]
+        if outside:
+            raise OpenAIError(400, f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {self.prompts.vocab_size})",
+                              param="logit_bias")
         bad = unsupported_fields(req)
         if bad:
             raise OpenAIError(

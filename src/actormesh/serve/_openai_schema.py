@@ -3,7 +3,7 @@
 Only requests are modelled: responses are plain dicts built in ``_openai``
 (the official client parses them). Fields are those of OpenAI's API reference;
 ``top_k`` and ``ignore_eos`` are extensions (as in vLLM). Fields that OpenAI defines but this
-server does not implement (penalties, tools, logit bias) are accepted by the
+server does not implement (tools, suffix, best_of other than n) are accepted by the
 schema only so that
 :func:`unsupported_fields` can answer them with a 400 that names the field,
 rather than a silent wrong answer. A field that
@@ -41,10 +41,25 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
-    # Defined by OpenAI, not implemented here: rejected when set to a non-default value.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    #: token id (as a string, as in OpenAI's API) -> bias in [-100, 100]
     logit_bias: dict[str, float] | None = None
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` by token id; ValueError naming a key that is not one, or a bias out of range."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {key!r}: {bias!r}")
+            out[token] = float(bias)
+        return out
 
 
 class CompletionRequest(_Common):
@@ -100,9 +115,6 @@ class ChatCompletionRequest(_Common):
 
 #: field -> the value that means "not used"; anything else is answered with a 400
 _UNSUPPORTED: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "logit_bias": None,
     "suffix": None,
     "tools": None,
     "tool_choice": None,

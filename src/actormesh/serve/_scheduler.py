@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..parallel import StepPlan
+from ..parallel import Shaping, StepPlan
 from ._types import SamplingParams
 
 __all__ = ["Event", "Request", "Scheduler", "check_prompt"]
@@ -49,6 +49,14 @@ class Request:
     pending: int | None = None  #: the last sampled token, fed at the next step
 
 
+def shaping_of(params: SamplingParams) -> Shaping | None:
+    """The logit shaping a request asks for (None: none, the common case, which costs nothing)."""
+    if not (params.presence_penalty or params.frequency_penalty or params.logit_bias):
+        return None
+    bias = tuple(sorted((int(t), float(b)) for t, b in (params.logit_bias or {}).items()))
+    return Shaping(float(params.presence_penalty), float(params.frequency_penalty), bias)
+
+
 def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int, vocab_size: int | None = None) -> list[int]:
     """The prompt as a list of ints; ValueError naming the problem if it is empty, out of vocabulary or too long."""
     if not isinstance(params, SamplingParams):
@@ -62,6 +70,10 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int
     if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
+    if vocab_size is not None and params.logit_bias:
+        outside = [t for t in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary (0..{vocab_size - 1})")
     if vocab_size is not None and params.top_logprobs > vocab_size:
         raise ValueError(f"top_logprobs={params.top_logprobs} is more than the model's vocabulary of {vocab_size} tokens")
     if len(ids) + params.max_tokens > max_context:
@@ -111,6 +123,9 @@ class Scheduler:
             self.running[req.slot] = req
             seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(63)
             plan.seeds[req.slot] = seed
+            shaping = shaping_of(req.params)
+            if shaping is not None:
+                plan.shaping[req.slot] = shaping
         for slot, req in sorted(self.running.items()):  # by slot: consecutive slots read the cache without a copy
             plan.slots.append(slot)
             plan.tokens.append(list(req.prompt) if req.position == 0 else [req.pending])  # type: ignore[list-item]

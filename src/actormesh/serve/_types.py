@@ -8,7 +8,7 @@ consumer going away) cancels the request and frees its batch slot.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -37,6 +37,12 @@ class SamplingParams:
     #: with ``logprobs``: also the ``top_logprobs`` most probable tokens at each position, as
     #: ``(token id, log-probability)`` pairs (generators then yield ``(token, logprob, top)``)
     top_logprobs: int = 0
+    #: OpenAI's penalties, in [-2, 2]: subtracted from the logit of every token generated so far,
+    #: once (presence) or once per time it was generated (frequency)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: added to the logits of these token ids, in [-100, 100] (-100 bans a token, 100 all but forces it)
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -51,6 +57,15 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=True")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
 
 
 @runtime_checkable

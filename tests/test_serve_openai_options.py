@@ -1,6 +1,7 @@
-"""The chosen tokens' log-probabilities over the OpenAI API (``logprobs=0`` for
-completions, ``logprobs=true`` for chat), through the official client, against a
-scripted TokenGenerator that yields ``(token, log-probability)`` pairs as engines do."""
+"""OpenAI's sampling options over the HTTP API: log-probabilities (``logprobs`` /
+``top_logprobs``), penalties and ``logit_bias``, through the official client, against
+a scripted TokenGenerator that yields ``(token, log-probability[, top])`` as engines do
+(what the engine does with them: tests/test_sampling_shaping.py, tests/test_generate.py)."""
 
 from __future__ import annotations
 
@@ -190,3 +191,25 @@ def test_token_bytes_of_byte_fallback_and_plain_pieces() -> None:
 
     tok = Piecewise()
     assert [token_bytes(tok, i) for i in (1, 2, 3)] == [b"\xe6", b" hello", b"<s>"]
+
+
+def test_penalties_and_logit_bias_reach_the_generator(served: tuple[openai.OpenAI, ScoredGenerator], client: openai.OpenAI) -> None:
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   presence_penalty=0.5, frequency_penalty=-1.5, logit_bias={"70": 100, "71": -100})
+    params = served[1].asked[-1]
+    assert (params.presence_penalty, params.frequency_penalty, dict(params.logit_bias or {})) == (0.5, -1.5, {70: 100.0, 71: -100.0})
+    client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    params = served[1].asked[-1]
+    assert (params.presence_penalty, params.frequency_penalty, params.logit_bias) == (0.0, 0.0, None)
+
+
+@pytest.mark.parametrize("extra, field, says", [
+    ({"logit_bias": {"seventy": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"70": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"400": 1}}, "logit_bias", "outside the vocabulary"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "less than or equal to 2"),
+])
+def test_bad_sampling_options_are_400s_naming_them(client: openai.OpenAI, extra: dict[str, Any], field: str, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=2, **extra)
+    assert info.value.param == field and says in info.value.message

@@ -1,0 +1,83 @@
+"""Penalties and logit bias (``SamplingParams.presence_penalty``, ``frequency_penalty``,
+``logit_bias``): the sampler's rules on made-up logits, then an engine over a tiny Llama."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actormesh.parallel import Sampler, Shaping, StepPlan  # noqa: E402
+from actormesh.serve import LLMEngine, SamplingParams  # noqa: E402
+
+
+def greedy_steps(sampler: Sampler, logits: list[float], shaping: Shaping | None, steps: int) -> list[int]:
+    """Tokens a one-row greedy request in slot 0 picks from the same ``logits`` each step."""
+    out = []
+    for step in range(steps):
+        plan = StepPlan(slots=[0], tokens=[[1]], starts=[step], sampling=[(0.0, 0, 1.0)])
+        if step == 0:
+            plan.seeds[0] = 7
+            if shaping is not None:
+                plan.shaping[0] = shaping
+        out += sampler.sample(torch.tensor([logits]), plan, [0])
+    return out
+
+
+def test_frequency_penalty_counts_every_time_presence_penalty_once() -> None:
+    s = Sampler()
+    assert greedy_steps(s, [1.0, 0.9, 0.0], Shaping(frequency_penalty=2.0), 5) == [0, 1, 2, 0, 1]
+    # 1.0 vs 0.8: after one 0 the penalty makes 1 win once; then both were seen, and 0 wins again for good
+    assert greedy_steps(s, [1.0, 0.8], Shaping(presence_penalty=0.5), 4) == [0, 1, 0, 0]
+    assert greedy_steps(s, [1.0, 0.8], Shaping(presence_penalty=-1.0), 3) == [0, 0, 0]  # negative: repeats
+
+
+def test_logit_bias_and_a_new_request_in_the_slot_starts_clean() -> None:
+    s = Sampler()
+    assert greedy_steps(s, [1.0, 0.0, 0.5], Shaping(logit_bias=((2, 100.0),)), 2) == [2, 2]
+    assert greedy_steps(s, [1.0, 0.0, 0.5], Shaping(logit_bias=((0, -100.0),)), 1) == [2]
+    assert greedy_steps(s, [1.0, 0.0, 0.5], None, 2) == [0, 0]  # no shaping left from the last request
+    # a row with shaping beside one without: each gets its own
+    plan = StepPlan(slots=[0, 1], tokens=[[1], [1]], starts=[0, 0], sampling=[(0.0, 0, 1.0)] * 2,
+                    seeds={0: 1, 1: 2}, shaping={1: Shaping(logit_bias=((1, 50.0),))})
+    assert s.sample(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), plan, [0, 1]) == [0, 1]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"logit_bias": {-1: 1.0}}, "token ids"),
+    ({"logit_bias": {3: 200}}, r"\[-100, 100\]"),
+])
+def test_bad_values_are_refused(kwargs: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        SamplingParams(**kwargs)
+
+
+def test_an_engine_applies_them_and_reports_the_models_own_logprobs() -> None:
+    from test_generate import hf_pair
+
+    hf, model = hf_pair()
+    prompt = [5, 9, 13, 2]
+
+    async def run(engine: Any, params: SamplingParams) -> list[Any]:
+        return [t async for t in engine.generate(prompt, params)]
+
+    with LLMEngine(model, max_slots=2, seed=0) as engine:
+        plain = asyncio.run(run(engine, SamplingParams(max_tokens=6)))
+        forced = asyncio.run(run(engine, SamplingParams(max_tokens=6, logit_bias={17: 100.0}, logprobs=True)))
+        assert [t for t, _ in forced] == [17] * 6
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + [17] * 6])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1)[:, 17]
+        assert torch.allclose(torch.tensor([lp for _, lp in forced]), want, atol=1e-4)  # the bias is not in them
+        banned = asyncio.run(run(engine, SamplingParams(max_tokens=6, logit_bias={plain[0]: -100.0})))
+        assert banned[0] != plain[0]
+        looping = asyncio.run(run(engine, SamplingParams(max_tokens=24)))
+        spread = asyncio.run(run(engine, SamplingParams(max_tokens=24, frequency_penalty=2.0)))
+        assert len(set(spread)) > len(set(looping))  # greedy repeats itself; the penalty moves it on
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            asyncio.run(run(engine, SamplingParams(max_tokens=2, logit_bias={10**6: 1.0})))
