@@ -213,3 +213,12 @@ def test_bad_sampling_options_are_400s_naming_them(client: openai.OpenAI, extra:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=2, **extra)
     assert info.value.param == field and says in info.value.message
+
+
+def test_a_message_without_content_is_refused_unless_the_assistants(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}], max_tokens=2)  # type: ignore[typeddict-item]
+    assert "user message needs content" in info.value.message and (info.value.param or "").startswith("messages.0")
+    ok = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}])
+    assert ok.choices[0].finish_reason == "length"
