@@ -33,7 +33,7 @@ def load(client: openai.OpenAI, results: Counter[str], lock: threading.Lock, sta
     for i in range(REQUESTS_PER_CLIENT):
         try:
             stream = client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"hello actors {i}"}], max_tokens=24, stream=True
+                model="tiny", messages=[{"role": "user", "content": f"hello actors {i}"}], max_tokens=12, stream=True
             )
             text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
             outcome = "ok" if text is not None else "empty"
