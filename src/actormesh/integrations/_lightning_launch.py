@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 from ..errors import SupervisionError
 from ..mesh import ActorMesh, ProcMesh, endpoint
 from ..runtime import Actor
-from ..spmd import ElasticEnv, setup_torch_elastic_env
+from ..spmd import ElasticEnv, setup_torch_elastic_env, share_host_cores
 
 __all__ = ["ActorMeshEnvironment", "ActorMeshLauncher", "MeshStrategyMixin"]
 
@@ -323,7 +323,4 @@ def _root_cause(failures: list[BaseException]) -> BaseException:
 
 def _limit_threads(local_world_size: int) -> None:
     """Share the host's cores among its ranks unless OMP_NUM_THREADS says otherwise (as Lightning's launchers do)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+    share_host_cores(local_world_size)

@@ -68,6 +68,7 @@ def build_chunk(model_fn: Callable[[], Any], plan: Plan, ranges: list[range] | N
 
     from ._apply import materialize
     from ._tp import apply_tp, check_tp, resolve_tp_plan
+    from ._tp_infer import local_tp_forwards
 
     with torch.device("meta"):
         chunk = model_fn()
@@ -79,6 +80,8 @@ def build_chunk(model_fn: Callable[[], Any], plan: Plan, ranges: list[range] | N
         if isinstance(tp_plan, dict):
             check_tp(chunk, tp_plan, plan.tp)
         apply_tp(chunk, mesh["tp"], tp_plan)
+        if isinstance(tp_plan, dict):
+            local_tp_forwards(chunk, mesh["tp"], tp_plan)
     materialize(chunk, device)
     return chunk.eval()
 

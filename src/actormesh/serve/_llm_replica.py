@@ -41,8 +41,9 @@ class _Replica:
         self.rank = int(os.environ.get("RANK", "0")) if self.distributed else 0
         links = None
         if self.distributed:
-            from ..spmd import init_process_group
+            from ..spmd import init_process_group, share_host_cores
 
+            share_host_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             init_process_group(timeout_s=pg_timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         mesh = world_mesh(plan, self.device.type) if self.distributed else None

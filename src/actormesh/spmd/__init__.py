@@ -17,7 +17,7 @@ Example::
 Importing this package does not import torch.
 """
 
-from ._dist import default_backend, destroy_process_group, init_process_group, init_process_group_and_mesh, mesh_dims
+from ._dist import default_backend, destroy_process_group, init_process_group, init_process_group_and_mesh, mesh_dims, share_host_cores
 from ._env import ElasticEnv, SPMDActor, setup_torch_elastic_env, setup_torch_elastic_env_async
 from ._script import ScriptError, run_script
 
@@ -33,4 +33,5 @@ __all__ = [
     "run_script",
     "setup_torch_elastic_env",
     "setup_torch_elastic_env_async",
+    "share_host_cores",
 ]
