@@ -222,3 +222,13 @@ def test_a_message_without_content_is_refused_unless_the_assistants(client: open
     ok = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}])
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_echo_streams_the_prompt_first(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt=["hello there", "actors"], max_tokens=5, echo=True, n=2)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=["hello there", "actors"], max_tokens=5, echo=True, n=2, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in whole.choices]
+    assert whole.choices[0].text.startswith("hello there") and whole.choices[2].text.startswith("actors")

@@ -57,8 +57,6 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
     async def completions(req: CompletionRequest, request: Request) -> Response:
         start = time.perf_counter()
         state.check_request(req)
-        if req.echo and req.stream:
-            raise OpenAIError(400, "echo is not supported with stream=true", param="echo", code="unsupported_parameter")
         scored = wants_logprobs(req)
         if req.echo and scored:
             raise OpenAIError(400, "echo with logprobs asks for the prompt's log-probabilities, which this server does not "
@@ -76,10 +74,15 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             listed = CompletionLogprobs()
+            echoed: set[int] = set()
 
             def chunk(p: Piece) -> dict[str, Any]:
                 lps = listed.entries(p.index, p.logprobs) if scored else None
-                choice = {"index": p.index, "text": p.text, "logprobs": lps, "finish_reason": p.finish_reason}
+                text = p.text
+                if req.echo and p.index not in echoed:  # a choice's first chunk starts with its prompt
+                    echoed.add(p.index)
+                    text = state.tokenizer.decode(prompts[p.index // req.n], skip_special_tokens=True) + text
+                choice = {"index": p.index, "text": text, "logprobs": lps, "finish_reason": p.finish_reason}
                 return {**head, "choices": [choice]}
 
             def usage(completion_tokens: int) -> dict[str, Any] | None:
