@@ -21,8 +21,10 @@ class _Replica:
     """This rank's chunk, cache and runner, and the replica's process group (when it has several ranks)."""
 
     def __init__(self, model_fn: Callable[[], Any], plan: Plan, stages: Any, max_slots: int, max_context: int | None,
-                 seed: int, pg_timeout_s: float) -> None:
+                 seed: int, pg_timeout_s: float, host_procs: int | None = None) -> None:
         import torch
+
+        from ..spmd import share_host_cores
 
         from ..parallel import (KVCache, StepRunner, WeightStaging, build_chunk, check_inference_plan, hidden_size_of,
                                 replica_stages, stage_links, world_mesh)
@@ -40,10 +42,12 @@ class _Replica:
         self.distributed = plan.world_size > 1
         self.rank = int(os.environ.get("RANK", "0")) if self.distributed else 0
         links = None
+        if host_procs is not None or self.distributed:
+            # Threads spinning for cores other procs hold cost 2-20x on a busy CPU host.
+            share_host_cores(host_procs if host_procs is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if self.distributed:
-            from ..spmd import init_process_group, share_host_cores
+            from ..spmd import init_process_group
 
-            share_host_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             init_process_group(timeout_s=pg_timeout_s)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         mesh = world_mesh(plan, self.device.type) if self.distributed else None

@@ -49,6 +49,10 @@ class LLMServer(Actor):
     params, port)``, ``generate_many(requests, port)`` and
     ``cancel(request_id)`` (rank 0), ``stage_weights``
     (all ranks) then ``commit_weights`` (rank 0) to swap weights, ``info()``.
+
+    ``host_procs``: how many procs of replicas like this one share its host; each
+    gives torch's CPU kernels its share of the host's cores (unless
+    ``OMP_NUM_THREADS`` is set). None: the replica's own ranks on the host.
     """
 
     _clock = staticmethod(time.monotonic)  #: replaced by tests (virtual time)
@@ -56,12 +60,13 @@ class LLMServer(Actor):
     def __init__(self, model_fn: Callable[[], Any], plan: Plan | None = None, weights: Weights = None,
                  stages: Sequence[range] | str | None = None, max_slots: int = 32, max_context: int | None = None,
                  seed: int = 0, pg_timeout_s: float = 300.0, idle_s: float = 1.0,
-                 stream_interval_s: float = 0.005) -> None:
+                 stream_interval_s: float = 0.005, host_procs: int | None = None) -> None:
         if not stream_interval_s >= 0:
             raise ValueError(f"stream_interval_s must be >= 0 seconds, got {stream_interval_s!r}")
         self.model_fn, self.plan = model_fn, plan or Plan()
         self.weights, self.stages, self.max_slots, self.max_context = weights, stages, max_slots, max_context
         self.seed, self.pg_timeout_s, self.idle_s = seed, pg_timeout_s, idle_s
+        self.host_procs = host_procs
         self.replica: _Replica | None = None
         self.engine: LLMEngine | None = None
         self._follower: threading.Thread | None = None
@@ -79,7 +84,7 @@ class LLMServer(Actor):
     async def setup(self) -> dict[str, Any]:
         """Build this rank's chunk, load the weights, start the engine (rank 0) or the follower loop."""
         self.replica = replica = _Replica(self.model_fn, self.plan, self.stages, self.max_slots, self.max_context,
-                                          self.seed, self.pg_timeout_s)
+                                          self.seed, self.pg_timeout_s, self.host_procs)
         if self.weights is not None:
             replica.load(self.weights)
         elif replica.distributed:  # one proc built the seeded model itself; ranks take their shards of it

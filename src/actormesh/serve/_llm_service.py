@@ -165,7 +165,7 @@ class LLMService:
         options.update(service_options)
         self.service: Service[ServedLLM] = Service(
             {"gpus": plan.world_size}, replicas, ServedLLM, model_fn, plan, weights, None, max_slots, max_context, seed,
-            300.0, 1.0, stream_interval_s, **options,
+            300.0, 1.0, stream_interval_s, replicas * plan.world_size, **options,
         )
         self.token_timeout_s = token_timeout_s
         self.max_context: int = 0  # known once a replica is set up (ready())
