@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from actormesh.serve import OpenAIServer, SamplingParams, create_openai_app
-from actormesh.serve.tiny import make_tokenizer
+from test_serve_http import tokenizer  # noqa: F401  (the tiny tokenizer fixture)
 
 MODEL = "tiny-lp"
 SCRIPT_TEXT = " hello world, caf\u00e9 \u65e5\u672c\u8a9e actors"
@@ -49,15 +49,6 @@ class ScoredGenerator:
                 yield (tid, logprob_of(i)) if params.logprobs else tid
             if i == self.eos_at:
                 return
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    make_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")

@@ -82,12 +82,11 @@ def _head(mod: Any, group: Any, size: int) -> Any:
     return forward
 
 
-def local_tp_forwards(model: Any, tp_mesh: Any, plan: Mapping[str, Any]) -> int:
+def local_tp_forwards(model: Any, tp_mesh: Any, plan: Mapping[str, Any]) -> None:
     """Give the layers ``plan`` split with a built-in style their DTensor-free forward
-    (inference only: no autograd through the collectives). Returns how many were changed."""
+    (inference only: no autograd through the collectives)."""
     group, rank, size = tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size()
     modules = dict(model.named_modules())
-    changed = 0
     for name, kind in plan.items():
         mod = modules.get(name)
         kind = kind.lower() if isinstance(kind, str) else kind
@@ -104,5 +103,3 @@ def local_tp_forwards(model: Any, tp_mesh: Any, plan: Mapping[str, Any]) -> int:
             mod.forward = _embedding(mod, group, rank)
         else:
             mod.forward = _head(mod, group, size)
-        changed += 1
-    return changed
