@@ -353,3 +353,14 @@ def test_import_is_light() -> None:
     code = "import sys, actormesh.serve; print(sorted(m for m in ('torch', 'fastapi', 'uvicorn', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_port_listens_before_the_server_serves() -> None:
+    """`python -m actormesh.serve` prints its URL and then starts serving: a client that
+    dials at once must wait in the backlog, not be refused."""
+    srv = OpenAIServer(None, "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5):
+            pass
+    finally:
+        srv.close()

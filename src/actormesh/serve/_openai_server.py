@@ -24,8 +24,8 @@ GRACEFUL_SHUTDOWN_S = 5
 class OpenAIServer:
     """A uvicorn server for ``app`` on ``host:port`` (port 0 picks a free port).
 
-    The socket is bound in the constructor, so :attr:`port` and :attr:`url` are
-    known at once. :meth:`start` serves from a background thread (with its own
+    The socket is bound and listening from the constructor on, so :attr:`port` and
+    :attr:`url` are known at once and a client that dials early waits instead of being refused. :meth:`start` serves from a background thread (with its own
     event loop) and returns when the server accepts connections;
     :meth:`serve_forever` serves in the calling thread until SIGINT/SIGTERM.
     """
@@ -41,6 +41,9 @@ class OpenAIServer:
         except OSError as exc:
             self._sock.close()
             raise OSError(f"cannot listen on {host}:{port}: {exc} (pick another --port, or 0 for any free port)") from exc
+        # Listening from here on: a client that dials as soon as the URL is printed waits in the
+        # backlog until uvicorn accepts, instead of being refused while the server starts.
+        self._sock.listen(2048)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self._log_level = log_level
