@@ -18,12 +18,8 @@ Cost model (details in docs/partitioner.md):
   tp)``, activations of the microbatches in flight (1F1B) ``/ tp``, FSDP's
   unsharded layer, DDP's gradient buckets.
 
-Example:
-    >>> import torch
-    >>> from actormesh.parallel.models import gpt
-    >>> choice = auto_plan(gpt, (torch.zeros(8, 16, dtype=torch.long),) * 2, 4)
-    >>> sorted(choice.plan)
-    ['boundaries', 'dp', 'fsdp', 'microbatches', 'pp', 'tp']
+Example: ``sorted(auto_plan(gpt, (torch.zeros(8, 16, dtype=torch.long),) * 2, 4).plan)``
+is ``['boundaries', 'dp', 'fsdp', 'microbatches', 'pp', 'tp']``.
 """
 
 from __future__ import annotations
@@ -333,6 +329,17 @@ def _candidate_problem(model: Any, c: Candidate, heads: Any, n_blocks: int | Non
             (f"{local} samples per rank do not split into >= {pp} microbatches" if not _microbatch_options(local, pp) else ""))
 
 
+def _n_blocks(model: Any) -> int | None:
+    blocks = getattr(model, "blocks", None)
+    return len(blocks) if blocks is not None and hasattr(blocks, "__len__") else None
+
+
+def _check_allow(allow: Sequence[str]) -> None:
+    bad = set(allow) - set(AXES)
+    if bad:
+        raise ValueError(f"allow names unknown axes {sorted(bad)}; choose from {AXES}")
+
+
 def auto_plan(
     model_fn: Callable[[], Any],
     sample_batch: Any,
@@ -365,16 +372,11 @@ def auto_plan(
         2
     """
     world = _world(procs_or_world_size)
-    bad = set(allow) - set(AXES)
-    if bad:
-        raise ValueError(f"allow names unknown axes {sorted(bad)}; choose from {AXES}")
+    _check_allow(allow)
     link = link or _link_from(link_gbps)
-    model = model_fn()
-    batch = batch_size_of(sample_batch)
+    model, batch = model_fn(), batch_size_of(sample_batch)
     m = _fit(model, sample_batch, batch, costs, repeats)
-    blocks = getattr(model, "blocks", None)
-    n_blocks = len(blocks) if blocks is not None and hasattr(blocks, "__len__") else None
-    heads = _heads(model)
+    n_blocks, heads = _n_blocks(model), _heads(model)
     out: list[Candidate] = []
     for pp, tp, fsdp in [(p, t, f) for p in _divisors(world) for t in _divisors(world // p) for f in _divisors(world // p // t)]:
         dp = world // pp // tp // fsdp

@@ -80,9 +80,7 @@ class ProcRuntime(Receiving):
         if job_dir is None:
             job_dir = make_job_dir()
         self.job_dir = job_dir
-        self.tls = tls if tls is not None or not (self.config.tls and self.transport == "tcp") else JobTLS.generate()
-        self._server_ssl = self.tls.server_context(job_dir) if self.tls else None
-        self._client_ssl = self.tls.client_context(job_dir) if self.tls else None
+        self._use_tls(tls, job_dir)
         self.loop_thread = LoopThread(f"actormesh-{name}-io")
         self.loop = self.loop_thread.loop
         self.parent_address = parent_address
@@ -120,6 +118,12 @@ class ProcRuntime(Receiving):
         #: Liveness of links to peers on other hosts (runtime/_links.py).
         self.links = LinkWatch(self)
         self.links.start()
+
+    def _use_tls(self, tls: JobTLS | None, job_dir: str) -> None:
+        """The job's certificates (generated when the config asks for TLS on tcp and none was given)."""
+        self.tls = tls if tls is not None or not (self.config.tls and self.transport == "tcp") else JobTLS.generate()
+        self._server_ssl = self.tls.server_context(job_dir) if self.tls else None
+        self._client_ssl = self.tls.client_context(job_dir) if self.tls else None
 
     def _no_handlers(self) -> None:
         # The handlers of the kinds that are neither calls nor replies, typed in

@@ -42,6 +42,7 @@ the connection shuts the lane's socket, which ends its thread.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -392,10 +393,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def _shut(sock: Any) -> None:
-    if sock is None:
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
-    except OSError:
-        pass
-    sock.close()
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
+        sock.close()
