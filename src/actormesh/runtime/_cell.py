@@ -4,11 +4,11 @@ Theory of operation
 -------------------
 The loop thread ``post``s envelopes; the actor's own thread handles them one at
 a time, so user code never runs on the loop and one slow actor delays nobody
-else. Sync actors block on a ``SimpleQueue``. Async actors run their own event
-loop on their thread; the loop thread appends to a deque and wakes the actor's
-loop only when it sleeps, so a burst costs one wake-up. Either way a call goes
-through the same steps (``_cell_invoke``); the two kinds differ only in how they
-wait for the mailbox and whether they call or await the endpoint.
+else. Both kinds take from one mailbox (``_mailbox``) a batch per wake-up, so a
+burst costs one wake-up; they differ in how they sleep on it (a sync actor's
+thread on a lock, an async actor's own event loop on an event) and whether they
+call or await the endpoint. Either way a call goes through the same steps
+(``_cell_invoke``).
 
 States: ``init`` -> ``running`` -> ``stopped`` | ``failed``. A failed or stopped
 actor answers every later call with a supervision error at once, from the loop
@@ -31,11 +31,9 @@ import asyncio
 import functools
 import inspect
 import logging
-import queue
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +46,7 @@ from ._cell_async import _STOP, _SUPERVISE, Stop, Supervise, run_async
 from ._cell_figures import now
 from ._cell_invoke import CellInvocation, error_payload
 from ._loop import new_event_loop
+from ._mailbox import LoopMailbox, Mailbox, ThreadMailbox, refuse_all
 
 if TYPE_CHECKING:
     from ._proc import ProcRuntime
@@ -77,58 +76,34 @@ class Cell(CellInvocation):
         self.instance: Any = None
         self._endpoints: dict[str, Any] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._post_lock = threading.Lock()
-        self._closed = False
         #: This actor's counters when telemetry is on (docs/telemetry.md), else None.
         self.figures = FIGURES.actor(name) if _TELEMETRY.on else None
         #: monotonic time by which a requested stop must be done (set by the loop thread).
         self.stop_deadline: float | None = None
+        self._mailbox: Mailbox[tuple[Any, Any]]
         if is_async:
             self._loop = new_event_loop()
-            self._deque: deque[tuple[Any, Any]] = deque()
-            self._idle = False
-            self._wake_event: asyncio.Event | None = None
+            self._mailbox = LoopMailbox(self._loop)
             target: Callable[[], None] = functools.partial(run_async, self)
         else:
-            self._queue: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+            self._mailbox = ThreadMailbox()
             target = self._run_sync
         self.thread = threading.Thread(target=target, name=f"actor-{name}-{env.rank}", daemon=True)
         self.thread.start()
 
     # -- loop thread side ---------------------------------------------------------------
     def post(self, env: M.Call | Stop | Supervise, payload: Sequence[Segment]) -> None:
-        """Hand a message to the actor (loop thread). Dead actors answer at once."""
-        with self._post_lock:
-            # A STOP still goes in, so a failed actor's thread gets to end.
-            refuse = self._closed or (self.status in ("failed", "stopped") and env.kind != _STOP)
-            if not refuse:
-                if self.is_async:
-                    self._deque.append((env, payload))
-                else:
-                    self._queue.put((env, payload))
-        if refuse:
+        """Hand a message to the actor (any thread). Dead actors answer at once.
+
+        A STOP still goes in, so a failed actor's thread gets to end. A message
+        that slips in as the actor fails is refused by its thread (the status check
+        per message), one that comes after its thread ended by the closed mailbox."""
+        if (self.status in ("failed", "stopped") and env.kind != _STOP) or not self._mailbox.put((env, payload)):
             self._refuse(env)
-        elif self.is_async and self._idle:
-            self._idle = False
-            try:
-                self._loop.call_soon_threadsafe(self._wake)
-            except RuntimeError:
-                pass
 
     def _close_mailbox(self) -> None:
         """The actor thread is ending: refuse what is queued and all that comes later."""
-        with self._post_lock:
-            self._closed = True
-        if self.is_async:
-            while self._deque:
-                self._refuse(self._deque.popleft()[0])
-        else:
-            while True:
-                try:
-                    env, _ = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                self._refuse(env)
+        refuse_all(self._mailbox, self._refuse)
 
     def _refuse(self, env: M.Call | Stop | Supervise) -> None:
         if isinstance(env, M.Call):  # kind M.CALL: calls reach a cell decoded, or typed() by a local route
@@ -153,10 +128,6 @@ class Cell(CellInvocation):
     def supervise(self, failure: MeshFailure) -> None:
         """Deliver a failure of a mesh this actor owns (loop thread)."""
         self.post(Supervise(_SUPERVISE, failure), ())
-
-    def _wake(self) -> None:
-        if self._wake_event is not None:
-            self._wake_event.set()
 
     # -- actor thread side --------------------------------------------------------------
     def _enter(self) -> bool:
@@ -199,9 +170,11 @@ class Cell(CellInvocation):
 
     def _serve_sync(self) -> None:
         ok = self._enter()
-        get = self._queue.get
+        mailbox = self._mailbox
+        assert isinstance(mailbox, ThreadMailbox)
+        take = mailbox.next  # a batch per wake-up (_mailbox.py)
         while True:
-            env, payload = get()
+            env, payload = take()
             kind = env.kind
             if not ok or self.status != "running":
                 self._refuse(env)

@@ -1,10 +1,10 @@
 """The event-loop half of :class:`~._cell.Cell`: how an ``async def`` actor runs.
 
 An async actor runs its own event loop on its own thread (:func:`run_async` is
-that thread's body; the functions here take the cell whose state they use). The
-loop thread appends envelopes to the cell's deque and sets ``_wake_event`` only
-when the actor's loop sleeps (``_idle``), so a burst costs one wake-up. Endpoints
-marked concurrent run as tasks; the others run one at a time, in arrival order.
+that thread's body; the functions here take the cell whose state they use). It
+takes from the cell's :class:`~._mailbox.LoopMailbox`, which wakes its loop only
+when it sleeps, so a burst costs one wake-up. Endpoints marked concurrent run as
+tasks; the others run one at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..transport import Segment
 from . import _messages as M
 from ._actor import EndpointProperty, MeshFailure, _message_rank, _overrides
 from ._cell_figures import now
+from ._mailbox import LoopMailbox
 
 if TYPE_CHECKING:
     from ._cell import Cell
@@ -58,18 +59,16 @@ def run_async(cell: Cell) -> None:
 
 
 async def _dispatch(cell: Cell) -> None:
-    wake = cell._wake_event = asyncio.Event()
     ok = cell._enter()
-    dq = cell._deque
+    mailbox = cell._mailbox
+    assert isinstance(mailbox, LoopMailbox)
+    take = mailbox.next_nowait  # a batch per wake-up (_mailbox.py)
     while True:
-        if not dq:
-            cell._idle = True
-            if not dq:
-                wake.clear()
-                await wake.wait()
-            cell._idle = False
+        item = take()
+        if item is None:
+            await mailbox.wait()
             continue
-        env, payload = dq.popleft()
+        env, payload = item
         kind = env.kind
         if not ok or cell.status != "running":
             cell._refuse(env)

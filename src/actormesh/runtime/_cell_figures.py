@@ -40,9 +40,7 @@ class CellFigures:
 
     def mailbox_depth(self) -> int:
         """Messages waiting for this actor."""
-        if self.is_async:  # type: ignore[attr-defined]
-            return len(self._deque)  # type: ignore[attr-defined]
-        return self._queue.qsize()  # type: ignore[attr-defined]
+        return len(self._mailbox)  # type: ignore[attr-defined]
 
     def snapshot_row(self) -> dict[str, Any]:
         """This actor's row in its process's stats snapshot (builtins only)."""
