@@ -57,6 +57,8 @@ class _Net:
         self.seq_out = SeqOut()
         self.sent: dict[str, list[str]] = {a: [] for a in self.addresses}  # per member, in send order
         self.replies: list[tuple[int, int]] = []
+        self.gone: dict[str, list[list[str]]] = {}  # what each earlier incarnation released
+        self.before: dict[str, list[list[str]]] = {}  # what each earlier incarnation was sent
 
     def call(self, i: int, tag: str) -> None:
         addr = self.addresses[i]
@@ -64,19 +66,32 @@ class _Net:
         self.flight.append((addr, M.Call(M.CALL, ACTOR, tag, None, 0, (), (), SENDER, seq, prev)))
         self.sent[addr].append(tag)
 
-    def cast(self, indices: list[int], tag: str) -> None:
-        """Cast to the members ``indices`` as Verbs.cast does (a whole cast if all)."""
+    def cast(self, indices: list[int], tag: str, *, view: bool = True) -> None:
+        """Cast to the members ``indices`` as Verbs.cast does (a whole cast if all); ``view``:
+        numbered as a slice view (else member by member, as when a root is dead)."""
         plan = CastPlan([self.addresses[i] for i in indices], fanout=3)
         if len(indices) == len(self.addresses):
             t, prev, exc = self.seq_out.cast_all(ACTOR, plan.addresses)
         else:
-            t, prev, exc = self.seq_out.cast_some(ACTOR, plan.addresses)
+            t, prev, exc = self.seq_out.cast_some(ACTOR, plan.addresses, plan.members if view else None)
         per_chunk = plan.exceptions_by_chunk(exc) if exc else None
         for c, (lo, sub) in enumerate(plan.chunks):
             env = M.Cast(M.CAST, ACTOR, tag, None, (), (), SENDER, lo, sub, None, t, prev, per_chunk[c] if per_chunk else None)
             self.flight.append((sub[0], env))
         for i in indices:
             self.sent[self.addresses[i]].append(tag)
+
+    def restart(self, i: int, rnd: random.Random) -> None:
+        """Member ``i``'s process is gone for good (after all it was sent arrived) and a
+        new one comes up at its address: it has seen nothing."""
+        self.deliver(rnd)
+        addr = self.addresses[i]
+        self.seq_out.forget(addr)
+        old = self.nodes[addr]
+        self.nodes[addr] = _Node(self, addr)
+        self.gone[addr] = self.gone.get(addr, []) + [[env.endpoint for env in old.released]]
+        self.before[addr] = self.before.get(addr, []) + [self.sent[addr]]
+        self.sent[addr] = []
 
     def deliver(self, rnd: random.Random) -> None:
         """Deliver everything in flight, in a random order (relays add more)."""
@@ -187,3 +202,68 @@ def test_any_mix_of_calls_and_casts_in_any_arrival_order_is_released_in_send_ord
             net.deliver(rnd)  # some arrive before later ones are sent
     net.deliver(rnd)
     assert net.received() == net.sent
+
+
+# A few slices, so that casts go to the same views again, overlapping or not.
+_SLICES = [[0, 1, 2], [3, 4, 5, 6], [1, 2, 3], [0, 2, 4, 6, 8], [7, 8, 9], [5], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["call", "all", "slice", "slice", "slice", "member-wise", "restart"]),
+                       st.integers(0, 9), st.integers(0, len(_SLICES) - 1)), max_size=40),
+    st.randoms(use_true_random=False),
+)
+def test_casts_to_the_same_slices_again_keep_every_chain_through_calls_restarts_and_whole_casts(ops, rnd):
+    net = _Net(10)
+    for k, (op, a, b) in enumerate(ops):
+        if op == "call":
+            net.call(a, f"m{k}")
+        elif op == "all":
+            net.cast(list(range(10)), f"m{k}")
+        elif op == "restart":
+            net.restart(a, rnd)
+        else:
+            net.cast(_SLICES[b], f"m{k}", view=op == "slice")
+        if rnd.random() < 0.3:
+            net.deliver(rnd)
+    net.deliver(rnd)
+    assert net.received() == net.sent
+    for addr, runs in net.gone.items():
+        assert runs == net.before[addr]
+
+
+def test_a_slice_cast_again_carries_one_number_and_exceptions_only_for_members_called_since():
+    seq_out = SeqOut()
+    stage = frozenset(f"p{i}" for i in range(1000, 2000))
+    members = sorted(stage)
+    seq_out.cast_all(ACTOR, [f"p{i}" for i in range(4096)])  # 0
+    assert seq_out.cast_some(ACTOR, members, stage) == (1, 0, {})  # the first: each member checked
+    assert seq_out.cast_some(ACTOR, members, stage) == (2, 1, {})  # then one number
+    assert seq_out.next("p1500", ACTOR) == (3, 2)
+    assert seq_out.next("p7", ACTOR) == (4, 0)  # not in the slice: follows the whole cast
+    assert seq_out.cast_some(ACTOR, members, stage) == (5, 2, {"p1500": 3})
+    assert seq_out.cast_some(ACTOR, members, stage) == (6, 5, {})
+    assert seq_out.cast_all(ACTOR, []) == (7, 0, {**{m: 6 for m in members}, "p7": 4})
+
+
+def test_a_second_cast_to_a_slice_does_no_work_per_member(monkeypatch):
+    import actormesh.runtime._numbering as numbering
+
+    seq_out = SeqOut()
+    stage = frozenset(f"p{i}" for i in range(4096))
+    members = sorted(stage)
+    seq_out.cast_some(ACTOR, members, stage)
+    lookups = []
+    monkeypatch.setattr(numbering._MeshNumbers, "prev_of", lambda self, a: lookups.append(a) or 0)
+    seq_out.cast_some(ACTOR, members, stage)
+    assert lookups == []
+
+
+def test_overlapping_slices_name_only_the_shared_members_as_exceptions():
+    seq_out = SeqOut()
+    a, b = frozenset(["p0", "p1", "p2"]), frozenset(["p2", "p3"])
+    assert seq_out.cast_some(ACTOR, sorted(a), a) == (0, -1, {})
+    assert seq_out.cast_some(ACTOR, sorted(b), b) == (1, -1, {"p2": 0})
+    assert seq_out.cast_some(ACTOR, sorted(a), a) == (2, 0, {"p2": 1})
+    assert seq_out.cast_some(ACTOR, sorted(b), b) == (3, 1, {"p2": 2})

@@ -81,11 +81,13 @@ class CastPlan:
     as a tuple made here, and no work per member (see Verbs.cast).
     """
 
-    __slots__ = ("addresses", "chunks", "roots", "owed", "tables", "sent_on", "_los", "_index_of")
+    __slots__ = ("addresses", "members", "chunks", "roots", "owed", "tables", "sent_on", "_los", "_index_of")
 
     def __init__(self, addresses: Sequence[str], fanout: int) -> None:
         addrs = tuple(addresses)
         self.addresses = addrs
+        #: The view's addresses as a set: the key under which the sender numbers casts to it (_numbering).
+        self.members = frozenset(addrs)
         #: ``(lo, addresses of members lo, lo + 1, ...)`` per subtree; the first address is its root.
         self.chunks = [(lo, addrs[lo:hi]) for lo, hi in ranges(len(addrs), fanout)]
         self.roots = tuple(sub[0] for _, sub in self.chunks)

@@ -119,7 +119,7 @@ class Cast(NamedTuple):
     roots keep ``addrs`` under ``id``, sent once; later casts name it and leave
     ``addrs`` None (see _cast.CastTables). All take the number ``seq`` and follow
     ``prev``, except those in ``exceptions`` (index -> their own ``prev``; see
-    _ordering.SeqOut)."""
+    _numbering.SeqOut)."""
 
     kind: int
     actor: str

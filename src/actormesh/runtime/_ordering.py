@@ -3,12 +3,14 @@
 A message from process S to an actor in process D may go straight (``call_one``)
 or through a cast tree (``broadcast``/``call`` on large meshes), so two messages
 can arrive out of order. S numbers every actor-directed message, and each names
-the number of S's previous message to the same actor (``SeqOut``: a chain per
-destination actor, keyed by the actor's process and name); D releases them in
+the number of S's previous message to the same actor (``SeqOut``, in
+``_numbering``: a chain per destination actor, keyed by the actor's process and
+name); D releases them in
 chain order per (sender, actor) (``Reorder``), holding early ones. This is
 Monarch's scheme (sequence numbers allocated by the originating sender before
 fan-out, a reorder buffer at the destination), with chains instead of
-contiguous numbers so that a cast to a whole mesh is numbered in O(1).
+contiguous numbers so that a cast to a whole mesh, or again to the same
+slice, is numbered in O(1).
 
 Why per actor, not per process: the guarantee is per sender and actor, and a
 large message to one actor may be passed on the wire by a small one to another
@@ -29,137 +31,11 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from ._numbering import SeqOut
+
 log = logging.getLogger("actormesh.ordering")
 
 __all__ = ["SeqOut", "ReorderBuffer", "Reorder"]
-
-
-class _MeshNumbers:
-    """What one sender has numbered for one actor mesh (see :class:`SeqOut`)."""
-
-    __slots__ = ("next", "last_all", "since", "members", "all_known", "gone")
-
-    def __init__(self) -> None:
-        self.next = 0  # the number the next message to any member gets
-        self.last_all = -1  # the last message sent to every member (-1: none yet)
-        #: Members (by address) whose last message came after ``last_all``: its number.
-        self.since: dict[str, int] = {}
-        #: Addresses of the members numbered so far, and which of them are gone for
-        #: good: once all are, the mesh's numbers are dropped (no table grows per spawn).
-        self.members: set[str] = set()
-        self.all_known = False  # whether a whole cast put every member in ``members``
-        self.gone: set[str] = set()
-
-
-class SeqOut:
-    """Message numbers for actor-directed messages, as ``(number, previous)`` pairs.
-
-    Theory of operation: every message from this process to any member of actor
-    mesh ``A`` takes the next number of one counter per ``A``. A message to member
-    ``m`` also carries ``prev``, the number of the last message sent to ``m``
-    (-1 for none), so ``m`` releases a chain, each message once its ``prev`` was
-    released (:class:`ReorderBuffer`). Contiguous per-member numbers would make the
-    sender count every member of every cast; with chains, the members that got
-    the same messages share one ``prev``:
-
-    1. ``last_all`` is the last message cast to every member of ``A``; ``since``
-       holds only the members that got a message after it (by a direct call, a
-       stop, or a cast to a slice), each with that message's number.
-    2. A direct message to ``m`` (:meth:`next`): ``prev`` is ``since[m]``, else
-       ``last_all``; then ``since[m]`` is the new number. O(1).
-    3. A cast to every member (:meth:`cast_all`): one ``prev`` for all
-       (``last_all``) and, as exceptions, the members in ``since``; then
-       ``since`` empties. O(1) plus the exceptions, each paid for by the direct
-       message that made it, once.
-    4. A cast to a slice (:meth:`cast_some`) is a direct message to each member.
-    5. A peer gone for good (:meth:`forget`) starts a new chain: it is put in
-       ``since`` with -1 (a new process at that address has seen nothing).
-
-    A member that must get no number (its peer is known dead) keeps its ``prev``.
-    Thread-safe: any thread may send.
-    """
-
-    def __init__(self) -> None:
-        self._meshes: dict[str, _MeshNumbers] = {}
-        self._lock = threading.Lock()
-
-    def _mesh(self, actor: str) -> _MeshNumbers:
-        s = self._meshes.get(actor)
-        if s is None:
-            s = self._meshes[actor] = _MeshNumbers()
-        return s
-
-    def next(self, address: str, actor: str) -> tuple[int, int]:
-        """``(number, prev)`` for one message to ``actor`` at ``address`` (rule 2)."""
-        # Number and chain move together (two threads, one member). acquire/release,
-        # not ``with``: half the cost, on every call's path.
-        lock = self._lock
-        lock.acquire()
-        try:
-            s = self._meshes.get(actor)
-            if s is None:
-                s = self._meshes[actor] = _MeshNumbers()
-            t = s.next
-            s.next = t + 1
-            since = s.since
-            prev = since.get(address)
-            if prev is None:  # its first message since the last whole cast
-                prev = s.last_all
-                s.members.add(address)
-            elif prev < 0 and s.gone:
-                s.gone.discard(address)  # forgotten, and back (a revived peer): a member again
-            since[address] = t
-        finally:
-            lock.release()
-        return t, prev
-
-    def cast_all(self, actor: str, members: Sequence[str], skipped: Sequence[str] = ()) -> tuple[int, int, dict[str, int]]:
-        """Number a cast to every member of ``actor`` (rule 3): ``(number, prev, exceptions)``,
-        ``exceptions`` mapping the address of each member whose ``prev`` differs.
-        ``members``: their addresses (noted by the first whole cast only, not per cast).
-        ``skipped``: members that will not get it (behind a dead peer): they keep their chain."""
-        with self._lock:
-            s = self._mesh(actor)
-            if not s.all_known:  # any whole cast names every member: once is enough
-                s.members.update(members)
-                s.all_known = True
-            t = s.next
-            s.next = t + 1
-            prev, exceptions = s.last_all, s.since
-            s.last_all, s.since = t, {}
-            for address in skipped:
-                s.since[address] = exceptions.get(address, prev)
-        return t, prev, exceptions
-
-    def cast_some(self, actor: str, addresses: Sequence[str]) -> tuple[int, int, dict[str, int]]:
-        """Number a cast to some members of ``actor`` (rule 4), in the form of :meth:`cast_all`."""
-        with self._lock:
-            s = self._mesh(actor)
-            t = s.next
-            s.next = t + 1
-            since, last_all = s.since, s.last_all
-            exceptions = {}
-            for address in addresses:
-                p = since.get(address, last_all)
-                if p != last_all:
-                    exceptions[address] = p
-                since[address] = t
-            s.members.update(addresses)
-        return t, last_all, exceptions
-
-    def forget(self, address: str) -> None:
-        """A destination process is gone for good: its next message starts a new chain (rule 5)."""
-        with self._lock:
-            for actor, s in list(self._meshes.items()):
-                if address in s.members:
-                    s.since[address] = -1
-                    s.gone.add(address)
-                    if len(s.gone) >= len(s.members):
-                        del self._meshes[actor]
-
-    def __len__(self) -> int:
-        """Actor meshes numbered here."""
-        return len(self._meshes)
 
 
 class _Stream:

@@ -23,7 +23,8 @@ from ._gateway import refuse_relay
 from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
 from ._cast import CastTables
-from ._ordering import Reorder, SeqOut
+from ._numbering import SeqOut
+from ._ordering import Reorder
 from ._links import LinkWatch
 from ._peers import connection_closed, dial, peer_gone, revive, table_sizes
 from ._routes import LocalRoute, Route

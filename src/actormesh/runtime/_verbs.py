@@ -20,7 +20,7 @@ from ..transport import Segment
 from . import _messages as M
 from ._cast import CastPlan
 from ._messages import ActorRef, PortRef
-from ._ordering import SeqOut
+from ._numbering import SeqOut
 from ._routes import LocalRoute, Route, order_key
 
 __all__ = ["Verbs"]
@@ -65,10 +65,10 @@ class Verbs:
         """Call ``endpoint`` of ``actor`` on every member of ``plan`` (member ``i`` at
         ``plan.addresses[i]``) along a tree (see _cast.py); ``plan.owed[i]`` is the
         subtree root that owes reply ``i``. ``whole``: the plan covers every member of
-        ``actor``, which numbers the cast in O(1) (see _ordering.SeqOut, rule 3).
+        ``actor``, which numbers the cast in O(1) (see _numbering, rule 3).
 
         The sender's work is O(fanout) sends plus O(members that got a message since the
-        last whole cast); a cast to a slice also numbers each of its members (rule 4).
+        last whole cast), or since the last cast to the same slice (_numbering, rule 4).
         A subtree's addresses go to its root once per connection; later casts name
         them by table id (_cast.CastTables), so the bytes sent are O(fanout) too."""
         routes = []
@@ -82,8 +82,11 @@ class Verbs:
         if whole:
             t, prev, exceptions = self.seq_out.cast_all(actor, plan.addresses, [a for c in dead for a in chunks[c][1]])
         else:
-            live = [a for c, (_, sub) in enumerate(chunks) if c not in dead for a in sub] if dead else plan.addresses
-            t, prev, exceptions = self.seq_out.cast_some(actor, live)
+            if dead:
+                live = [a for c, (_, sub) in enumerate(chunks) if c not in dead for a in sub]
+                t, prev, exceptions = self.seq_out.cast_some(actor, live)
+            else:
+                t, prev, exceptions = self.seq_out.cast_some(actor, plan.addresses, plan.members)
         per_chunk = plan.exceptions_by_chunk(exceptions) if exceptions else None
         sender, tables, sent_on = self.address, plan.tables, plan.sent_on
         for c, (lo, sub) in enumerate(chunks):
