@@ -16,6 +16,9 @@ times the wall time of the casts):
 * ``*_caller_us``: the same, the caller's thread only (``time.thread_time``).
 * ``gather_wall_us``: wall time per ``call().get()`` (the tree's latency, for reference).
 
+``--slice`` casts to a slice instead: the first ``n`` of ``2n`` procs (so
+``--sizes 8 64`` spawns 16 and 128), cast to as one view again and again.
+
 ``--heartbeat-interval S`` relaxes the controller's liveness pings (and the
 timeouts that follow from them) to ``S`` seconds: the controller pings every
 child it has not heard from lately, and under a tree most children answer
@@ -78,11 +81,13 @@ def _per_broadcast(ep: Any, n: int, idle: float, flush: tuple[float, ...]) -> tu
     return (p1 - p0 - idle * (time.perf_counter() - w0) - flush[0]) / n, (t1 - t0 - flush[1]) / n
 
 
-def measure(n_procs: int, casts: int, rounds: int) -> dict[str, Any]:
-    """Spawn ``n_procs`` local procs with a noop actor each and time casts to them."""
-    procs = this_host().spawn_procs(per_host={"procs": n_procs})
+def measure(n_procs: int, casts: int, rounds: int, as_slice: bool = False) -> dict[str, Any]:
+    """Spawn ``n_procs`` local procs with a noop actor each and time casts to them
+    (``as_slice``: ``2 * n_procs`` procs, casts to the first ``n_procs``)."""
+    procs = this_host().spawn_procs(per_host={"procs": 2 * n_procs if as_slice else n_procs})
     try:
-        ep = procs.spawn("cast_cost", Noop).noop
+        mesh = procs.spawn("cast_cost", Noop)
+        ep = (mesh.slice(procs=slice(0, n_procs)) if as_slice else mesh).noop
         ep.call().get(timeout=GET_TIMEOUT_S * 4)
         _per_call(ep, 50, 0.0)  # warm-up: connections, caches
         _per_broadcast(ep, 50, 0.0, (0.0, 0.0, 0.0))
@@ -111,6 +116,7 @@ def main() -> None:
     ap.add_argument("--casts", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cast_cost.json")
+    ap.add_argument("--slice", action="store_true", help="cast to the first n of 2n procs")
     ap.add_argument("--heartbeat-interval", type=float, default=None, help="seconds; default: as configured")
     args = ap.parse_args()
     if args.heartbeat_interval is not None:
@@ -120,14 +126,14 @@ def main() -> None:
         config.configure(heartbeat_interval=hb, heartbeat_timeout=max(hb * 2, 3.0), link_timeout=max(hb * 4, 10.0))
     rows = []
     for n in args.sizes:
-        rows.append(measure(n, args.casts, args.rounds))
+        rows.append(measure(n, args.casts, args.rounds, args.slice))
         print(rows[-1], flush=True)
     lo, hi = rows[0], rows[-1]
     ratio: dict[str, Any] = {k: round(hi[k] / lo[k], 2) if lo[k] > 0 else None for k in lo if k != "procs"}
     ratio["procs"] = f"{hi['procs']}/{lo['procs']}"
     print("ratio", ratio, flush=True)
     args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "ratio": ratio, "heartbeat_interval": args.heartbeat_interval}, indent=2))
+    args.out.write_text(json.dumps({"rows": rows, "ratio": ratio, "slice": args.slice, "heartbeat_interval": args.heartbeat_interval}, indent=2))
     try:
         from rich.console import Console
         from rich.table import Table
