@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if args.controller:
-        rt.on_peer_lost.append(lambda address, reason: stop.set() if address == args.controller else None)
+        rt.handlers.peer_lost.append(lambda address, reason: stop.set() if address == args.controller else None)
     while not stop.wait(0.5) and not shut.done():  # a timed wait lets the main thread run signal handlers
         pass
     from .runtime import kill_all_children

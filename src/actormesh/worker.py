@@ -88,13 +88,13 @@ def _stop_when_asked(rt: ProcRuntime, stop: threading.Event) -> None:
 
         rt.threads.start(run, name="actormesh-stop")
 
-    rt.on_stop_proc = on_stop_proc
+    rt.handlers.stop_proc = on_stop_proc
 
     def parent_lost(address: str, reason: str) -> None:
         if address == rt.parent_address:
             stop.set()
 
-    rt.on_peer_lost.append(parent_lost)
+    rt.handlers.peer_lost.append(parent_lost)
 
 
 def main() -> None:

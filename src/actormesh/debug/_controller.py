@@ -67,7 +67,7 @@ class DebugController(Actor):
             loop.call_soon_threadsafe(self._peer_lost, address, reason)
 
         self._peer_hook = peer_hook
-        current_runtime().on_peer_lost.append(self._peer_hook)
+        current_runtime().handlers.peer_lost.append(self._peer_hook)
         self._serving = asyncio.ensure_future(self._serve())
         self._tasks: set[asyncio.Future[Any]] = {self._serving, asyncio.ensure_future(self._tick())}
 
@@ -205,7 +205,7 @@ class DebugController(Actor):
 
     async def __cleanup__(self, exc: Optional[BaseException]) -> None:
         try:
-            current_runtime().on_peer_lost.remove(self._peer_hook)
+            current_runtime().handlers.peer_lost.remove(self._peer_hook)
         except ValueError:
             pass
         if self._listener is not None:

@@ -67,12 +67,12 @@ class JoinWaiter:
         self._runtime = runtime
         self._joins: queue.Queue[tuple[str, str, int]] = queue.Queue()
         self._hook = lambda address, hostname, pid: self._joins.put((address, hostname, pid))
-        runtime.on_join.append(self._hook)
+        runtime.handlers.join.append(self._hook)
 
     def close(self) -> None:
         """Stop listening (idempotent)."""
         try:
-            self._runtime.on_join.remove(self._hook)
+            self._runtime.handlers.join.remove(self._hook)
         except ValueError:
             pass
 

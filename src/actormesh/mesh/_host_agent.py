@@ -58,7 +58,7 @@ class HostAgent(Actor):
         self.shut_down = False
         self._stores: dict[str, Any] = {}  # workspace root -> WorkspaceStore
         rt = current_runtime()
-        rt.on_peer_lost.append(self._lost)
+        rt.handlers.peer_lost.append(self._lost)
 
     def _lost(self, address: str, reason: str) -> None:
         """A peer is gone (loop thread): report a child's exit, or stop a departed controller's procs."""
@@ -247,4 +247,4 @@ def serve_agent(address: str, secret: bytes, controller: str | None = None, name
 
 def join_listener(runtime: ProcRuntime, on_join: Any) -> None:
     """Call ``on_join(address, hostname, pid)`` (loop thread) for every agent that dials in."""
-    runtime.on_join.append(on_join)
+    runtime.handlers.join.append(on_join)

@@ -62,7 +62,7 @@ def install_singleton_handler(rt: ProcRuntime) -> None:
     Called by the code that makes a root's workers (spawning procs, starting a host
     agent) before the first of them exists; a no-op for a non-root or a second call.
     """
-    if rt.root_address != rt.address or rt.on_singleton is not None:
+    if rt.root_address != rt.address or rt.handlers.singleton is not None:
         return
 
     def on_singleton(env: Any, payload: Any) -> None:
@@ -82,4 +82,4 @@ def install_singleton_handler(rt: ProcRuntime) -> None:
 
         rt.threads.start(work, name="actormesh-singleton")  # it may block (a spawn): off the loop, owned by rt
 
-    rt.on_singleton = on_singleton
+    rt.handlers.singleton = on_singleton

@@ -25,6 +25,7 @@ from ._gateway import serve_gateway
 from ._ids import ChannelTransport, ProcId, Uid
 from ._returns_future import returns_future
 from ._ports import GatherPort, OnePort, QueuePort, StreamPort, pick_random
+from ._handlers import Handlers
 from ._proc import ProcRuntime
 from ._selfwait import mark_if_self_call
 from ._spawn import ChildProc, kill_all_children, spawn_children, stop_children
@@ -72,6 +73,7 @@ __all__ = [
     "QueuePort",
     "StreamPort",
     "pick_random",
+    "Handlers",
     "ProcRuntime",
     "mark_if_self_call",
     "ChildProc",

@@ -238,4 +238,4 @@ def install(runtime: ProcRuntime) -> None:
             return
         runtime.actors[name] = Cell(runtime, env, payload)
 
-    runtime.on_spawn = on_spawn
+    runtime.handlers.spawn = on_spawn

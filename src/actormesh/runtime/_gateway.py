@@ -98,7 +98,7 @@ def _refuse(conn: Connection, why: str) -> None:
 def serve_gateway(runtime: ProcRuntime) -> Gateway:
     """Make ``runtime`` (a host agent's) accept attached clients on its listener."""
     gateway = Gateway(runtime)
-    runtime.relay = gateway.on_hello
+    runtime.handlers.relay = gateway.on_hello
     return gateway
 
 

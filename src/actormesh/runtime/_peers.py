@@ -140,7 +140,7 @@ def peer_gone(rt: ProcRuntime, address: str, reason: str, expected: bool = False
     first = address not in rt._dead  # else supervision already heard (e.g. bootstrap failure, then exit)
     if first:
         rt._dead[address] = r
-        for hook in [] if expected else list(rt.on_peer_lost):
+        for hook in [] if expected else list(rt.handlers.peer_lost):
             try:
                 hook(address, reason)
             except Exception:

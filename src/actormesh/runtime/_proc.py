@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import Config, get_config
 from ..errors import Cause, CauseKind
 from ..transport import Connection, JobTLS, Listener, Segment, ShmPool, listen, new_secret
-from ._gateway import refuse_relay
+from ._handlers import Handlers
 from ._jobdir import make_job_dir, remove_job_dir
 from ._loop import LoopThread
 from ._cast import CastTables
@@ -70,18 +70,14 @@ class ProcRuntime(Receiving):
         transport: str | None = None,
         listen_address: str | None = None,
         tls: JobTLS | None = None,
+        handlers: Handlers | None = None,
     ) -> None:
         self.config: Config = get_config()
         self.secret = secret or new_secret()
         self.name = name
         self.pid = os.getpid()
         self.transport = transport or self.config.default_transport
-        #: Whether this runtime made its job directory (then it removes it on close).
-        self.owns_job_dir = job_dir is None
-        if job_dir is None:
-            job_dir = make_job_dir()
-        self.job_dir = job_dir
-        self._use_tls(tls, job_dir)
+        self._use_job_dir(job_dir, tls)
         self.loop_thread = LoopThread(f"actormesh-{name}-io")
         self.loop = self.loop_thread.loop
         self.parent_address = parent_address
@@ -109,7 +105,8 @@ class ProcRuntime(Receiving):
         self.children: dict[str, ChildProc] = {}
         self.heartbeat: Heartbeat | None = None
         self.zygote: Zygote | None = None  # what its procs are forked from, from its first spawn
-        self._no_handlers()
+        #: What this process does with the kinds that are neither calls nor replies (_handlers.py).
+        self.handlers = handlers if handlers is not None else Handlers()
         #: Sent in HELLO: why this process cannot serve (its bootstrap failed).
         self.hello_error: str | None = None
         self._listen_address = listen_address
@@ -120,25 +117,17 @@ class ProcRuntime(Receiving):
         self.links = LinkWatch(self)
         self.links.start()
 
-    def _use_tls(self, tls: JobTLS | None, job_dir: str) -> None:
-        """The job's certificates (generated when the config asks for TLS on tcp and none was given)."""
+    def _use_job_dir(self, job_dir: str | None, tls: JobTLS | None) -> None:
+        """The job's directory (made here if None given: then it goes on close) and
+        certificates (generated when the config asks for TLS on tcp and none was given)."""
+        #: Whether this runtime made its job directory (then it removes it on close).
+        self.owns_job_dir = job_dir is None
+        if job_dir is None:
+            job_dir = make_job_dir()
+        self.job_dir = job_dir
         self.tls = tls if tls is not None or not (self.config.tls and self.transport == "tcp") else JobTLS.generate()
         self._server_ssl = self.tls.server_context(job_dir) if self.tls else None
         self._client_ssl = self.tls.client_context(job_dir) if self.tls else None
-
-    def _no_handlers(self) -> None:
-        # The handlers of the kinds that are neither calls nor replies, typed in
-        # _receive.py; each is set by the part that owns its kind (cells, supervision,
-        # spawning, stats, a gateway; the mesh layer's singletons and host agents).
-        self.on_spawn = None
-        self.on_failure = None
-        self.on_stop_proc = None
-        self.on_singleton = None
-        self.on_stats = None
-        self.on_peer_lost: list[Callable[[str, str], None]] = []
-        self.on_join = []
-        self.on_hello = None
-        self.relay = refuse_relay
 
     def __repr__(self) -> str:
         return f"<ProcRuntime {self.name} at {self.address}>"

@@ -6,7 +6,7 @@ that has not said who it is). A ``Call`` or ``StopActor`` goes through the reord
 buffer (_ordering.py) and reaches its actor in its sender's order; a call for an
 actor whose ``Spawn`` came by another connection and has not arrived yet waits
 for it, until ``message_delivery_timeout``. Replies go to their port's handler;
-the other kinds to the hooks the runtime's parts set (``on_spawn``, ``on_failure`` ...).
+the other kinds to the process's :class:`~._handlers.Handlers`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, cast
 from ..config import Config
 from ..transport import Connection, LostPayload, Segment, dumps
 from . import _messages as M
+from ._gateway import refuse_relay
+from ._handlers import Handlers
 from ._lost import Lost, error_payload, payload_lost, reply_port
 from ._ordering import Reorder
 from ._peers import hello
@@ -45,16 +47,8 @@ class Receiving(Verbs):
     ports: dict[int, Any]
     _reorder: Reorder
     _early: dict[str, list[tuple[Envelope, Sequence[Segment]]]]
-    # What the runtime's parts do with the kinds that are neither calls nor replies
-    # (loop thread; each set once, by the part that owns the kind).
-    on_spawn: Callable[[M.Spawn, Sequence[Segment]], None] | None
-    on_failure: Callable[[M.Failure], None] | None
-    on_stop_proc: Callable[[M.StopProc], None] | None
-    on_singleton: Callable[[M.Singleton, Sequence[Segment]], None] | None
-    on_stats: Callable[[M.Stats], None] | None
-    on_join: list[Callable[[str, str, int], None]]  # (address, hostname, pid) of a Join
-    on_hello: Callable[[Connection, M.Hello], bool] | None  # True: it took the connection
-    relay: Callable[[Connection, M.Hello], None]
+    #: What the process's parts do with the kinds that are neither calls nor replies.
+    handlers: Handlers
 
     def _whole(self) -> ProcRuntime:
         """This object as the ProcRuntime it is part of (for helpers that take one)."""
@@ -85,9 +79,10 @@ class Receiving(Verbs):
                 conn.abort()
                 return
             conn.tag = env.address
+            handlers = self.handlers
             if env.extra is not None and env.extra != M.RESTART:  # asks to be relayed: a gateway takes the connection over
-                return self.relay(conn, env)
-            if self.on_hello is not None and self.on_hello(conn, env):
+                return (handlers.relay or refuse_relay)(conn, env)
+            if handlers.hello is not None and handlers.hello(conn, env):
                 return
             hello(self._whole(), conn, env)
             return
@@ -105,8 +100,8 @@ class Receiving(Verbs):
         elif kind in _SEQUENCED:
             self._reorder.push((env.sender, env.actor), env.seq, env, payload, env.prev)
         elif kind == M.SPAWN:
-            if self.on_spawn is not None:
-                self.on_spawn(env, payload)
+            if self.handlers.spawn is not None:
+                self.handlers.spawn(env, payload)
             for early_env, early_payload in self._early.pop(env.actor, ()):
                 self._release(early_env, early_payload)  # already in order: skip the reorder buffer
         elif kind == M.CAST:
@@ -116,14 +111,14 @@ class Receiving(Verbs):
             if handler is not None:
                 handler.deliver_many(env, payload)
         elif kind == M.STOP_PROC:
-            if self.on_stop_proc is not None:
-                self.on_stop_proc(env)
+            if self.handlers.stop_proc is not None:
+                self.handlers.stop_proc(env)
         elif kind == M.FAILURE:
-            if self.on_failure is not None:
-                self.on_failure(env)
+            if self.handlers.failure is not None:
+                self.handlers.failure(env)
         elif kind == M.SINGLETON:
-            if self.on_singleton is not None:
-                self.on_singleton(env, payload)
+            if self.handlers.singleton is not None:
+                self.handlers.singleton(env, payload)
             else:  # answered, so that the asker fails instead of waiting for ever
                 self._fail_reply(env, M.ERROR, error_payload(RuntimeError(
                     f"get_or_spawn_controller({env.name!r}): the process at {self.address} serves no singletons "
@@ -132,11 +127,11 @@ class Receiving(Verbs):
             if conn is not None:
                 conn.send([M.PONG_BYTES])
         elif kind == M.JOIN:
-            for hook in list(self.on_join):
+            for hook in list(self.handlers.join):
                 hook(env.address, env.hostname, env.pid)
         elif kind == M.STATS:
-            if self.on_stats is not None:
-                self.on_stats(env)
+            if self.handlers.stats is not None:
+                self.handlers.stats(env)
         elif kind in (M.HELLO, M.PONG):
             pass
         else:

@@ -118,7 +118,7 @@ def _install_hello(runtime: ProcRuntime) -> None:
         child.ready._set_result(True)
         return True
 
-    runtime.on_hello = on_hello
+    runtime.handlers.hello = on_hello
 
 
 def spawn_children(

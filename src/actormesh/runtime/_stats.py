@@ -61,7 +61,7 @@ def install(rt: ProcRuntime) -> None:
     def on_stats(env: M.Stats) -> None:
         rt.reply(env.reply, 0, M.OK, dumps(stats_snapshot(rt)))
 
-    rt.on_stats = on_stats
+    rt.handlers.stats = on_stats
     cfg = get_config()
     if cfg.dashboard_port and rt.name == "client" and rt.parent_address is None:
         _start_dashboard(rt, cfg.dashboard_port, cfg.dashboard_host)

@@ -265,8 +265,8 @@ def install(runtime: ProcRuntime) -> None:
         for action in triage.on_peer_lost(list(runtime.owned_meshes.values()), address, reason):
             act(action)
 
-    runtime.on_failure = on_failure
-    runtime.on_peer_lost.append(on_peer_lost)
+    runtime.handlers.failure = on_failure
+    runtime.handlers.peer_lost.append(on_peer_lost)
 
 
 def _report(runtime: ProcRuntime, record: MeshRecord, failure: MeshFailure) -> None:
