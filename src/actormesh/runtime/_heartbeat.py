@@ -69,9 +69,12 @@ class Heartbeat:
             child = judged[death.key][0]
             log.warning("proc %s (pid %s) declared %s: %s", child.name, child.popen.pid if child.popen else "?", death.verdict.value, death.reason)
             # Report first, then kill: a host agent's report then leaves before the
-            # proc's own connections close, so the controller hears the verdict.
+            # proc's own connections close, so the controller hears the verdict. The
+            # report is written by a flush that its send scheduled on this loop: the
+            # kill is scheduled after it, not done now (a kill first let the proc's
+            # connection close reach the controller before the report, under load).
             rt.peer_gone(child.address, death.reason)
-            self._kill(child)
+            rt.loop.call_soon(self._kill, child)
         for key, (child, _, _) in judged.items():
             child.rss_bytes = self._judge.rss_bytes(key)
         interval = min((p.policy.interval_s for _, _, p in judged.values()), default=rt.config.heartbeat_interval)
