@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from conftest import bridged_namespaces
 
 from actormesh.actor import Actor, endpoint
+from actormesh.errors import ActorDiedError, SupervisionError
 from actormesh.mesh import HostMesh
 from actormesh.runtime import current_runtime
 
@@ -29,6 +32,20 @@ class Where(Actor):
     @endpoint
     def ask(self, other) -> list[int]:
         return [pid for pid, _ in other.where.call().get(timeout=20).values()]
+
+
+class Crasher(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def exit(self, code: int) -> None:
+        os._exit(code)
+
+    @endpoint
+    def nap(self, seconds: float) -> None:
+        time.sleep(seconds)
 
 
 def _env_with_tests() -> dict[str, str]:
@@ -212,3 +229,40 @@ def test_an_agent_stops_the_procs_of_a_controller_that_died(agents, tmp_path):
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def test_a_remote_proc_that_dies_fails_its_callers_with_how_it_ended(agents):
+    """Its connection closes as its agent sees it exit: the caller waits for the agent's
+    word (the exit code, the signal) instead of failing with "lost connection"."""
+    procs = HostMesh(agents=agents[:1]).spawn_procs(per_host={"gpus": 2})
+    try:
+        c = procs.spawn("c", Crasher)
+        pids = list(c.pid.call().get(timeout=30).values())
+        with pytest.raises(ActorDiedError, match="exited with non-zero code 3"):
+            c.slice(gpus=0).exit.call_one(3).get(timeout=30)
+        nap = c.slice(gpus=1).nap.call_one(60)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(ActorDiedError, match=r"Killed\(sig=9\)"):
+            nap.get(timeout=30)
+    finally:
+        procs.stop().get(timeout=30)
+
+
+def test_calls_to_the_procs_of_an_agent_that_died_fail_at_once(agents):
+    """Nobody will report how they ended: their calls fail when the agent is lost,
+    not after the wait for its report (2 * heartbeat_timeout + 5 s)."""
+    hosts = HostMesh(agents=agents[1:])
+    agent_pid = hosts.host_info().get(timeout=30)[0]["pid"]
+    procs = hosts.spawn_procs(per_host={"gpus": 1})
+    c = procs.spawn("c", Crasher)
+    c.pid.call().get(timeout=30)
+    nap = c.nap.call_one(60)
+    t0 = time.monotonic()
+    os.kill(agent_pid, signal.SIGKILL)  # its procs die with it
+    with pytest.raises(SupervisionError):
+        nap.get(timeout=30)
+    assert time.monotonic() - t0 < 2 * current_runtime().config.heartbeat_timeout + 5
+    try:
+        procs.stop().get(timeout=30)
+    except Exception:
+        pass  # their agent is gone: nothing left to stop

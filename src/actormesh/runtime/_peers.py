@@ -109,11 +109,13 @@ def connection_closed(rt: ProcRuntime, conn: Connection) -> None:
         return
     r = rt._routes.get(address)
     if isinstance(r, Route) and r.conn is conn:
-        if r.child:
-            # The spawner learns the exit status and reports it (see _spawn). Until
-            # then messages queue on the route, so they fail with that status and
-            # not a bare "connection lost"; a status that never comes still fails them.
+        if r.child or r.reported():
+            # The spawner (this process, or the proc's host agent) learns the exit status
+            # and reports it (see _spawn, mesh/_host_agent). Until then messages queue on
+            # the route, so they fail with that status and not a bare "connection lost";
+            # a status that never comes still fails them, and so does the agent's loss.
             r.conn = None
+            r.held = not r.child
             grace = 2 * rt.config.heartbeat_timeout + 5.0
             rt.loop.call_later(grace, _child_silent, rt, address, r, grace)
             return
@@ -151,6 +153,15 @@ def peer_gone(rt: ProcRuntime, address: str, reason: str, expected: bool = False
         handler.peer_lost(address, reason)
     if first:
         _forget(rt, address, r)
+        _reporter_gone(rt, address, reason)
+
+
+def _reporter_gone(rt: ProcRuntime, agent: str, reason: Cause) -> None:
+    """The host agent at ``agent`` is gone: its procs held for its report fail now."""
+    held = [a for a, r in list(rt._routes.items()) if type(r) is Route and r.reporter == agent and r.held and r.dead is None]
+    for address in held:
+        peer_gone(rt, address, _unreachable(f"lost connection to the process at {address}, and its host agent at {agent} "
+                                             f"is gone too ({reason})"))
 
 
 def _forget(rt: ProcRuntime, address: str, route: Route) -> None:

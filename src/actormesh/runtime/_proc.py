@@ -225,8 +225,13 @@ class ProcRuntime(Receiving):
 
     def judge_through(self, addresses: Sequence[str], agent: str) -> None:
         """Judge the remote procs at ``addresses`` through their host agent at ``agent``:
-        while the agent answers they are busy, not unreachable (runtime/_links.py)."""
+        while the agent answers they are busy, not unreachable (runtime/_links.py); when
+        a connection to one closes, its calls wait for the agent's word on how it ended."""
         self.links.judge_through(addresses, agent)
+        for a in addresses:
+            r = self.route(a)
+            if isinstance(r, Route):
+                r.reporter = agent
 
     def reconnect(self, address: str) -> bool:
         """Let a peer that was declared unreachable (not one that died) be dialed

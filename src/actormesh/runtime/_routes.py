@@ -58,7 +58,8 @@ def _payload_bytes(payload: Sequence[Segment]) -> int:
 class Route:
     """Messages to one remote address, over one connection."""
 
-    __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "restart", "child", "sent")
+    __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "restart", "child", "sent",
+                 "reporter", "held")
 
     def __init__(self, runtime: ProcRuntime, address: str, *, child: bool = False) -> None:
         self.address = address
@@ -73,6 +74,11 @@ class Route:
         self.restart = False
         #: A child proc dials us; we never dial it.
         self.child = child
+        #: The host agent that spawned this proc and reports how it ended (None: none does).
+        self.reporter: str | None = None
+        #: Its connection closed and the reporter is alive: messages wait for its report
+        #: (as a child's wait for its exit status), and nobody dials it again.
+        self.held = False
         #: Messages handed to this route (for benchmarks and diagnostics).
         self.sent = 0
 
@@ -96,7 +102,7 @@ class Route:
                             # before then, so the out-of-band buffers are copied.
                             payload = [payload[0], *(bytearray(s) for s in payload[1:])]
                         self._pending.append((env, payload))
-                        if not self.connecting and not self.child:
+                        if not self.connecting and not self.child and not self.held:
                             self.connecting = True
                             self._runtime.start_dial(self)
                         return
@@ -118,19 +124,25 @@ class Route:
 
     def _closed_under_us(self, conn: Connection, env: Envelope, payload: Sequence[Segment],
                          exc: TransportError) -> Cause | None:
-        """The connection closed before the loop heard of it. A child's message is held
-        as if the loop had (see ``_peers.connection_closed``), so it fails with the exit
-        status its spawner reports, not a bare "connection lost" (None: held). Else
+        """The connection closed before the loop heard of it. A child's message, or one to
+        a proc whose host agent reports its end, is held as if the loop had (see
+        ``_peers.connection_closed``), so it fails with the exit status its spawner
+        reports, not a bare "connection lost" (None: held). Else
         the cause to fail it with: the peer's known end, or the lost connection."""
         with self._lock:
             if self.dead is not None:
                 return self.dead
-            if self.child and (self.conn is None or self.conn is conn):
+            if (self.child or self.reported()) and (self.conn is None or self.conn is conn):
+                self.held = not self.child
                 if len(payload) > 1:
                     payload = [payload[0], *(bytearray(s) for s in payload[1:])]
                 self._pending.append((env, payload))
                 return None
         return Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc)
+
+    def reported(self) -> bool:
+        """Whether a live host agent will report how this proc ended."""
+        return self.reporter is not None and self._runtime.peer_dead(self.reporter) is None
 
     def publish(self, conn: Connection) -> None:
         """Make ``conn`` this route's connection (loop thread). First one wins."""
@@ -142,6 +154,7 @@ class Route:
                 conn.send([_dumps(tuple(env), 5), *payload], order_key=order_key(typed(env)))
             self.conn = conn
             self.connecting = False
+            self.held = False
 
     @property
     def sending(self) -> bool:
