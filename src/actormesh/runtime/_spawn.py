@@ -22,7 +22,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -313,7 +312,9 @@ def _watch(runtime: ProcRuntime, child: ChildProc) -> None:
     try:
         fd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
-        threading.Thread(target=lambda: (popen.wait(), runtime.loop.call_soon_threadsafe(_exited, runtime, child, None)), daemon=True).start()
+        # No pidfds (an old kernel): a thread of the runtime's own waits for the exit.
+        runtime.threads.start(lambda: (popen.wait(), runtime.loop.call_soon_threadsafe(_exited, runtime, child, None)),
+                              name=f"actormesh-watch-{child.name}")
         return
 
     def readable() -> None:
