@@ -75,6 +75,9 @@ FLAG_CHUNK = 4
 FLAG_LANE = 8
 _FRAME_FLAGS = (0, FLAG_SHM, FLAG_CHUNKED, FLAG_LANE)
 _NO_KINDS: Any = itertools.repeat(0)  # or a list of kinds, per frame
+# The segment tables of the commonest frames, compiled once (not a format string per frame).
+_N_SEG_TABLES = 9
+_SEG_TABLES = [struct.Struct(f"<{n}Q") for n in range(_N_SEG_TABLES)]
 
 
 # The seam for memory-pressure tests: (nbytes, kind) -> (object handed out, writable view).
@@ -254,7 +257,7 @@ class FrameDecoder:
                 raise ProtocolError("frame body does not match its segment table")
             if avail < PREFIX_BYTES + table:
                 break
-            lens = struct.unpack_from(f"<{nseg}Q", buf, start + PREFIX_BYTES)
+            lens = (_SEG_TABLES[nseg] if nseg < _N_SEG_TABLES else struct.Struct(f"<{nseg}Q")).unpack_from(buf, start + PREFIX_BYTES)
             data_len = sum(lens)
             kinds = _NO_KINDS
             if data_len > _LEN_MASK:  # kinds in the top bytes (only large frames carry them)
@@ -277,11 +280,16 @@ class FrameDecoder:
                 break
             if not complete:
                 break
-            segments: list[Segment] = []
-            pos = data_start
-            for length in lens:
-                segments.append(bytes(view[pos : pos + length]))
-                pos += length
+            if nseg == 2:  # the commonest frame: an envelope and one pickle
+                mid = data_start + lens[0]
+                pos = mid + lens[1]
+                segments: list[Segment] = [bytes(view[data_start:mid]), bytes(view[mid:pos])]
+            else:
+                segments = []
+                pos = data_start
+                for length in lens:
+                    segments.append(bytes(view[pos : pos + length]))
+                    pos += length
             self._start = pos
             frames.append(segments if not flags else ShmFrame(segments) if flags == FLAG_SHM else LaneFrame(segments))
         if self._start == self._end:
