@@ -158,6 +158,9 @@ def peer_gone(rt: ProcRuntime, address: str, reason: str, expected: bool = False
 
 def _reporter_gone(rt: ProcRuntime, agent: str, reason: Cause) -> None:
     """The host agent at ``agent`` is gone: its procs held for its report fail now."""
+    if agent not in rt.reporters:
+        return  # not an agent: nothing waits for its word (no scan of every route per lost peer)
+    rt.reporters.discard(agent)
     held = [a for a, r in list(rt._routes.items()) if type(r) is Route and r.reporter == agent and r.held and r.dead is None]
     for address in held:
         peer_gone(rt, address, _unreachable(f"lost connection to the process at {address}, and its host agent at {agent} "

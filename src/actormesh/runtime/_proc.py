@@ -92,6 +92,8 @@ class ProcRuntime(Receiving):
         #: Subtree addresses that senders' casts name by table id (_cast.py).
         self.cast_tables = CastTables()
         self._expected_gone: set[str] = set()
+        #: Host agents that report how the procs they spawned ended (judge_through).
+        self.reporters: set[str] = set()
         #: Routes of peers that are gone, most recent last (bounded: MAX_TOMBSTONES).
         self._dead: OrderedDict[str, Route] = OrderedDict()
         self._reorder = Reorder(self._release, lambda delay, fn: self.loop.call_later(delay, fn), min(5.0, self.config.message_delivery_timeout))
@@ -228,6 +230,7 @@ class ProcRuntime(Receiving):
         while the agent answers they are busy, not unreachable (runtime/_links.py); when
         a connection to one closes, its calls wait for the agent's word on how it ended."""
         self.links.judge_through(addresses, agent)
+        self.reporters.add(agent)
         for a in addresses:
             r = self.route(a)
             if isinstance(r, Route):

@@ -149,6 +149,15 @@ def chunk_header(nbytes: int) -> bytes:
     return _PREFIX.pack(nbytes, FLAG_CHUNK << 16)
 
 
+def _split_kinds(words: Sequence[int]) -> tuple[tuple[int, ...], list[int], int]:
+    """A segment table whose words carry kinds in their top byte: ``(lengths, kinds, total)``."""
+    kinds = [w >> 56 for w in words]
+    if any(k not in KINDS for k in kinds):
+        raise ProtocolError(f"frame has a segment of unknown kind {max(kinds)}")
+    lens = tuple(w & _LEN_MASK for w in words)
+    return lens, kinds, sum(lens)
+
+
 class FrameDecoder:
     """Turns a byte stream into frames (lists of segments).
 
@@ -261,11 +270,7 @@ class FrameDecoder:
             data_len = sum(lens)
             kinds = _NO_KINDS
             if data_len > _LEN_MASK:  # kinds in the top bytes (only large frames carry them)
-                kinds = [w >> 56 for w in lens]
-                lens = tuple(w & _LEN_MASK for w in lens)
-                data_len = sum(lens)
-                if any(k not in KINDS for k in kinds):
-                    raise ProtocolError(f"frame has a segment of unknown kind {max(kinds)}")
+                lens, kinds, data_len = _split_kinds(lens)
             data_start = start + PREFIX_BYTES + table
             if flags == FLAG_CHUNKED:
                 self._begin_chunked(lens, kinds, data_len)
