@@ -45,18 +45,16 @@ class Endpoint(Generic[P, R]):
     is a type error.
     """
 
-    __slots__ = ("_mesh", "_prop")
+    __slots__ = ("_mesh", "_prop", "_what")
 
     def __init__(self, mesh: ActorMesh[Any], prop: Any) -> None:
         self._mesh = mesh
         self._prop = prop
+        #: ``mesh.endpoint``, as errors and spans name this endpoint (made once, not per call).
+        self._what = f"{mesh._name}.{prop.name}"
 
     def __repr__(self) -> str:
         return f"<Endpoint {self._mesh._name}.{self._prop.name}>"
-
-    @property
-    def _what(self) -> str:
-        return f"{self._mesh._name}.{self._prop.name}"
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         self._prop.bind_check(args, kwargs)

@@ -224,7 +224,9 @@ class OnePort:
     def deliver(self, env: Reply, payload: Sequence[Segment]) -> None:
         rt = self.runtime
         rt.ports.pop(self.port_id, None)
-        rt.unawait_peer(self._address, self)
+        waiting = rt._waiting_on.get(self._address)  # rt.unawait_peer, inline: every reply's path
+        if waiting is not None:
+            waiting.discard(self)
         status, what = env.status, self.what
         if status == OK:
             self.future._set_thunk(lambda: loads(payload))

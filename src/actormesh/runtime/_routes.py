@@ -109,7 +109,7 @@ class Route:
             if conn is None:
                 self._runtime.undeliverable(env, self.address, reason)
                 return
-        big = _payload_bytes(payload) >= BIG_PAYLOAD_BYTES
+        big = len(payload) > 1 and _payload_bytes(payload) >= BIG_PAYLOAD_BYTES
         try:
             # tuple(): the wire form is the plain tuple (a plain one passes as itself).
             event = conn.send([_dumps(tuple(env), 5), *payload], wait_flushed=big, order_key=key)

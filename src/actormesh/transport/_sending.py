@@ -80,9 +80,10 @@ class Sending:
                 if wait_flushed and max(seg_nbytes(p) for p in rest) < 65536:
                     wait_flushed = False
         lanes = self._lanes
-        if lanes is not None and threading.get_ident() != self._loop_thread and lanes.wants_lane(segments, flags):
+        off_loop = threading.get_ident() != self._loop_thread
+        if lanes is not None and off_loop and lanes.wants_lane(segments, flags):
             self._await_lane(lanes)
-        if self._fd >= 0 and not wait_flushed and threading.get_ident() != self._loop_thread:
+        if self._fd >= 0 and not wait_flushed and off_loop:
             now = _monotonic()
             idle = now - self._last_tx > _IDLE_S
             self._last_tx = now
@@ -92,7 +93,7 @@ class Sending:
         self._outbox.append((segments, flags, event, order_key))
         if not self._scheduled:
             self._scheduled = True
-            if threading.get_ident() == self._loop_thread:
+            if not off_loop:
                 self._loop.call_soon(self._flush)
             else:
                 try:
