@@ -360,7 +360,8 @@ def test_the_port_listens_before_the_server_serves() -> None:
     dials at once must wait in the backlog, not be refused."""
     srv = OpenAIServer(None, "127.0.0.1", 0)
     try:
-        with socket.create_connection(("127.0.0.1", srv.port), timeout=5):
-            pass
+        with socket.socket() as sock:
+            sock.settimeout(5)
+            assert sock.connect_ex(("127.0.0.1", srv.port)) == 0  # refused (ECONNREFUSED) before the fix
     finally:
         srv.close()

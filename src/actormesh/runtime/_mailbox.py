@@ -119,8 +119,7 @@ class LoopMailbox(Mailbox[T]):
         event = self._event
         if event is None:
             event = self._event = asyncio.Event()
-        await event.wait()
-        event.clear()
+        await event.wait()  # cleared under the lock before the next sleep (_prepare_sleep)
 
     def _prepare_sleep(self) -> None:
         if self._event is not None:
