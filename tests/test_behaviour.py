@@ -162,6 +162,24 @@ def test_messages_from_one_sender_arrive_in_order(actor: Any) -> None:
     assert [f.get(timeout=T) for f in futures] == list(range(11, 61))
 
 
+def test_a_burst_goes_in_batches_and_keeps_its_order(actor: Any) -> None:
+    """A busy connection carries small calls and replies in batches (runtime/_routes.py):
+    order holds inside them and around the large calls that cannot join one."""
+    one = actor.slice(gpus=0)
+    rt = current_runtime()
+    batched = rt.messages_batched()
+    big = bytes(64 << 10)
+    futures = []
+    for i in range(2000):
+        futures.append(one.incr.call_one(1))
+        if i % 400 == 200:
+            futures.append(one.echo.call_one(big))
+    got = [f.get(timeout=T) for f in futures]
+    assert [g for g in got if type(g) is int] == list(range(11, 2011))
+    assert [len(g) for g in got if type(g) is bytes] == [len(big)] * 5
+    assert rt.messages_batched() > batched
+
+
 def test_errors_reach_the_caller_and_the_actor_serves_on(actor: Any) -> None:
     one = actor.slice(gpus=0)
     with pytest.raises(ActorError, match="no such thing") as info:

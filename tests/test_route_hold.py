@@ -15,6 +15,8 @@ from actormesh.runtime._routes import Route
 
 
 class ClosedConn:
+    flush_scheduled = False
+
     def send(self, *args, **kwargs):
         raise TransportError("connection to unix-peer is closed")
 

@@ -52,6 +52,10 @@ class _DuplexLeg:
         return self._duplex.last_rx
 
     @property
+    def flush_scheduled(self) -> bool:
+        return self._duplex.flush_scheduled
+
+    @property
     def closed(self) -> bool:
         return self._duplex.closed
 

@@ -34,6 +34,7 @@ CAST = 11
 REPLY_MULTI = 12
 RELAY_LOST = 13
 STATS = 14
+BATCH = 15
 
 #: HELLO's ``extra`` from a dialer that revived the peer (see _peers.revive).
 RESTART = "restart"
@@ -207,7 +208,15 @@ class Stats(NamedTuple):
     reply: PortRef
 
 
-Message = Union[Call, Reply, ReplyMulti, Spawn, StopActor, Cast, StopProc, Hello, Failure, Singleton, Ping, Pong, Join, RelayLost, Stats]
+class Batch(NamedTuple):
+    """Small calls and replies on one route, sent together while its connection is busy
+    (see _routes.Route): ``items`` are ``(wire tuple, payload bytes or None)`` in send order."""
+
+    kind: int
+    items: list[tuple[tuple[Any, ...], bytes | None]]
+
+
+Message = Union[Call, Reply, ReplyMulti, Spawn, StopActor, Cast, StopProc, Hello, Failure, Singleton, Ping, Pong, Join, RelayLost, Stats, Batch]
 
 _BY_KIND: dict[int, Any] = {
     CALL: Call,
@@ -225,6 +234,7 @@ _BY_KIND: dict[int, Any] = {
     REPLY_MULTI: ReplyMulti,
     RELAY_LOST: RelayLost,
     STATS: Stats,
+    BATCH: Batch,
 }
 # kind -> (type, number of fields): decode checks the length once, so a field read
 # never meets a short tuple.
@@ -253,7 +263,12 @@ def decode(data: Any) -> Any:
 
     On the hot path (every frame) this costs one lookup, one length check and one
     tuple copy (``tuple.__new__`` gives it its type) over the unpickling."""
-    t = _loads(data)
+    return from_wire(_loads(data))
+
+
+def from_wire(t: Any) -> Any:
+    """A message from its unpickled wire tuple (ValueError if it is not one): for a
+    :class:`Batch`'s items, which come unpickled with the batch."""
     try:  # free in the common case (3.11's zero-cost try), unlike checks before the lookup
         cls, n = _LAYOUT[t[0]]
     except (KeyError, TypeError, IndexError):  # no kind, an unknown one, or not a sequence

@@ -114,8 +114,7 @@ def connection_closed(rt: ProcRuntime, conn: Connection) -> None:
             # and reports it (see _spawn, mesh/_host_agent). Until then messages queue on
             # the route, so they fail with that status and not a bare "connection lost";
             # a status that never comes still fails them, and so does the agent's loss.
-            r.conn = None
-            r.held = not r.child
+            r.hold()
             grace = 2 * rt.config.heartbeat_timeout + 5.0
             rt.loop.call_later(grace, _child_silent, rt, address, r, grace)
             return

@@ -165,6 +165,17 @@ class ProcRuntime(Receiving):
         """Whether the caller runs on the loop thread."""
         return threading.get_ident() == self.loop_thread.ident
 
+    def call_soon_anywhere(self, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` on the loop thread soon, from any thread; False if the loop is closed."""
+        try:
+            if threading.get_ident() == self.loop_thread.ident:
+                self.loop.call_soon(fn)
+            else:
+                self.loop.call_soon_threadsafe(fn)
+        except RuntimeError:
+            return False
+        return True
+
     # -- routes ---------------------------------------------------------------------------
     def route(self, address: str) -> Route | LocalRoute:
         """The route to ``address`` (created on first use)."""
@@ -193,6 +204,10 @@ class ProcRuntime(Receiving):
     def messages_sent(self) -> int:
         """Messages this process has sent to other processes so far (all routes)."""
         return sum(r.sent for r in list(self._routes.values()) if isinstance(r, Route))
+
+    def messages_batched(self) -> int:
+        """Of those, how many went in a batch of several (a busy route's, see _routes)."""
+        return sum(r.batched for r in list(self._routes.values()) if isinstance(r, Route))
 
     def start_dial(self, route: Route) -> None:
         """Begin connecting a route (any thread)."""

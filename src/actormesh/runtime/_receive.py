@@ -36,6 +36,8 @@ __all__ = ["Receiving"]
 Envelope = Any  # a Message of any kind: code here branches on its .kind, which a type checker cannot narrow
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
 _decode = M.decode
+_from_wire = M.from_wire
+_BATCHED = frozenset({M.CALL, M.REPLY})
 
 
 class Receiving(Verbs):
@@ -56,6 +58,10 @@ class Receiving(Verbs):
 
     def undeliverable(self, env: Envelope, address: str, reason: str) -> None:
         """A message could not reach ``address``: fail the reply it asked for."""
+        if env[0] == M.BATCH:  # relayed by a gateway as one message: each asked for its own reply
+            for t, _ in env[1]:
+                self.undeliverable(t, address, reason)
+            return
         port, index = reply_port(M.typed(env))
         if port is not None and port[0] != address:
             self.reply(port, index, M.SUPERVISION, dumps(reason))
@@ -90,6 +96,21 @@ class Receiving(Verbs):
             payload_lost(self, env, segments[1].error)
             return
         self._dispatch(env, segments[1:], conn)
+
+    def _dispatch_batch(self, batch: M.Batch, conn: Connection | None) -> None:
+        """A busy peer's small calls and replies, one frame for many (_routes.Route._coalesce)."""
+        try:
+            items = [(_from_wire(t), () if p is None else (p,)) for t, p in batch.items]
+            if any(e.kind not in _BATCHED or (p and type(p[0]) is not bytes) for e, p in items):
+                raise ValueError("a batch holds only calls and replies with at most one bytes payload")
+        except (ValueError, TypeError) as exc:
+            log.warning("closing connection from %s: bad batch (%s)", conn.peer_name if conn else "?", exc)
+            if conn is not None:
+                conn.abort()
+            return
+        dispatch = self._dispatch
+        for env, payload in items:
+            dispatch(env, payload, conn)
 
     def _dispatch(self, env: Envelope, payload: Sequence[Segment], conn: Connection | None) -> None:
         kind = env.kind
@@ -132,6 +153,8 @@ class Receiving(Verbs):
         elif kind == M.STATS:
             if self.handlers.stats is not None:
                 self.handlers.stats(env)
+        elif kind == M.BATCH:
+            self._dispatch_batch(env, conn)
         elif kind in (M.HELLO, M.PONG):
             pass
         else:

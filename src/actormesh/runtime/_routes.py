@@ -47,6 +47,12 @@ def order_key(env: Any) -> Any:
 
 
 _dumps = pickle.dumps
+#: The kinds a busy route sends together (see Route._coalesce): the hot path's two.
+_BATCHED = frozenset({M.CALL, M.REPLY})
+#: A message joins a batch only with at most one payload segment of this many bytes.
+_ITEM_BYTES = 16 << 10
+#: A batch holds at most this many messages (its frame stays small).
+_BATCH_ITEMS = 256
 
 
 def _payload_bytes(payload: Sequence[Segment]) -> int:
@@ -59,7 +65,7 @@ class Route:
     """Messages to one remote address, over one connection."""
 
     __slots__ = ("address", "conn", "_pending", "_lock", "dead", "_runtime", "connecting", "restart", "child", "sent",
-                 "reporter", "held")
+                 "reporter", "held", "_batch", "_batch_key", "batched")
 
     def __init__(self, runtime: ProcRuntime, address: str, *, child: bool = False) -> None:
         self.address = address
@@ -81,6 +87,11 @@ class Route:
         self.held = False
         #: Messages handed to this route (for benchmarks and diagnostics).
         self.sent = 0
+        #: Small calls and replies waiting to go as one Batch (see _coalesce), or None.
+        self._batch: list[tuple[tuple[Any, ...], bytes | None]] | None = None
+        self._batch_key: Any = None
+        #: Of the messages sent, how many went in batches of several.
+        self.batched = 0
 
     def send(self, env: Envelope, payload: Sequence[Segment] = (), key: Any = None) -> None:
         """Send from any thread; fails the message's reply port if the peer is gone.
@@ -109,6 +120,9 @@ class Route:
             if conn is None:
                 self._runtime.undeliverable(env, self.address, reason)
                 return
+        if self._batch is not None or conn.flush_scheduled:
+            if self._coalesce(conn, env, payload, key):
+                return
         big = len(payload) > 1 and _payload_bytes(payload) >= BIG_PAYLOAD_BYTES
         try:
             # tuple(): the wire form is the plain tuple (a plain one passes as itself).
@@ -122,6 +136,88 @@ class Route:
             # The payload's memory is referenced until the kernel has it.
             event.wait(self._runtime.config.message_delivery_timeout)
 
+    def _coalesce(self, conn: Connection, env: Envelope, payload: Sequence[Segment], key: Any) -> bool:
+        """Join a small call or reply to the batch this busy connection will send next
+        (True), or send that batch first and let the caller send ``env`` alone (False).
+
+        A batch is opened only while the connection already has a flush scheduled: the
+        loop is awake and the message would have waited for it anyway, so one pickle and
+        one frame carry the burst instead of one each. An idle connection keeps the
+        direct write (latency). Every message of the route joins an open batch or
+        flushes it first, under the route's lock, so send order holds."""
+        item: tuple[tuple[Any, ...], bytes | None] | None = None
+        if env[0] in _BATCHED:
+            if not payload:
+                item = (tuple(env), None)
+            elif len(payload) == 1:
+                p = payload[0]
+                if type(p) is bytes and len(p) <= _ITEM_BYTES:
+                    item = (tuple(env), p)
+        with self._lock:
+            batch = self._batch
+            if batch is None:
+                if item is None or self.conn is not conn:
+                    return False
+                if not self._runtime.call_soon_anywhere(self._flush_batch):
+                    return False  # the loop is closed: the send reports it
+                self._batch = [item]
+                self._batch_key = key
+                return True
+            if item is None:
+                self._send_batch_locked()
+                return False
+            if len(batch) >= _BATCH_ITEMS:  # full: it goes now, this one opens the next
+                self._send_batch_locked()   # (the flush already scheduled sends that)
+                self._batch = batch = []
+                self._batch_key = key
+            batch.append(item)
+            if key != self._batch_key:
+                self._batch_key = None
+            return True
+
+    def _unbatch_locked(self) -> None:
+        """The connection is going: the batch's messages wait at the head of the queue,
+        ahead of what comes later, to be sent on the next connection or failed."""
+        batch, self._batch = self._batch, None
+        if batch:
+            self._pending[:0] = [(typed(t), () if p is None else (p,)) for t, p in batch]
+
+    def hold(self) -> None:
+        """The connection closed and this peer's spawner will report how it ended:
+        messages wait for that report (see _peers.connection_closed). Loop thread."""
+        with self._lock:
+            self._unbatch_locked()
+            self.conn = None
+            self.held = not self.child
+
+    def _flush_batch(self) -> None:
+        with self._lock:
+            self._send_batch_locked()
+
+    def _send_batch_locked(self) -> None:
+        batch, self._batch = self._batch, None
+        conn = self.conn
+        if not batch:
+            return
+        if conn is None:  # cannot happen (every way to None unbatches), kept as a guard
+            self._batch = batch
+            self._unbatch_locked()
+            return
+        if len(batch) == 1:
+            t, p = batch[0]
+            segments: list[Segment] = [_dumps(t, 5)] if p is None else [_dumps(t, 5), p]
+        else:
+            segments = [_dumps((M.BATCH, batch), 5)]
+            self.batched += len(batch)
+        try:
+            conn.send(segments, order_key=self._batch_key)
+        except TransportError as exc:
+            for t, p in batch:
+                env = typed(t)
+                lost = self._closed_locked(conn, env, () if p is None else (p,), exc)
+                if lost is not None:
+                    self._runtime.undeliverable(env, self.address, lost)
+
     def _closed_under_us(self, conn: Connection, env: Envelope, payload: Sequence[Segment],
                          exc: TransportError) -> Cause | None:
         """The connection closed before the loop heard of it. A child's message, or one to
@@ -130,14 +226,17 @@ class Route:
         reports, not a bare "connection lost" (None: held). Else
         the cause to fail it with: the peer's known end, or the lost connection."""
         with self._lock:
-            if self.dead is not None:
-                return self.dead
-            if (self.child or self.reported()) and (self.conn is None or self.conn is conn):
-                self.held = not self.child
-                if len(payload) > 1:
-                    payload = [payload[0], *(bytearray(s) for s in payload[1:])]
-                self._pending.append((env, payload))
-                return None
+            return self._closed_locked(conn, env, payload, exc)
+
+    def _closed_locked(self, conn: Any, env: Envelope, payload: Sequence[Segment], exc: TransportError) -> Cause | None:
+        if self.dead is not None:
+            return self.dead
+        if (self.child or self.reported()) and (self.conn is None or self.conn is conn):
+            self.held = not self.child
+            if len(payload) > 1:
+                payload = [payload[0], *(bytearray(s) for s in payload[1:])]
+            self._pending.append((env, payload))
+            return None
         return Cause(f"connection lost: {exc}", CauseKind.UNREACHABLE, error=exc)
 
     def reported(self) -> bool:
@@ -162,7 +261,7 @@ class Route:
         (waiting for the dial, or not yet in the kernel). Loop thread."""
         if self.dead is not None:
             return False
-        if self._pending:
+        if self._pending or self._batch:
             return True
         conn = self.conn
         return conn is not None and not getattr(conn, "drained", True)
@@ -172,6 +271,7 @@ class Route:
         (loop thread); return the old one. For a peer that dialed us again
         because it gave up on the old connection (a healed partition)."""
         with self._lock:
+            self._unbatch_locked()
             old, self.conn = self.conn, None
         self.publish(conn)
         return old
@@ -181,6 +281,7 @@ class Route:
         with self._lock:
             if self.dead is None:
                 self.dead = reason
+            self._unbatch_locked()
             self.conn = None
             pending, self._pending = self._pending, []
             self.connecting = False

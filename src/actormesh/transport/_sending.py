@@ -233,6 +233,12 @@ class Sending:
             ev.set()
 
     @property
+    def flush_scheduled(self) -> bool:
+        """Whether the loop will flush this connection soon: a frame sent now waits for
+        that flush (any thread; a hint, read without the lock)."""
+        return self._scheduled
+
+    @property
     def drained(self) -> bool:
         """Whether every frame sent so far has reached the kernel (loop thread); True once
         closed, since nothing more will."""
