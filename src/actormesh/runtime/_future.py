@@ -23,6 +23,7 @@ R = TypeVar("R")
 _PENDING, _VALUE, _ERROR, _THUNK = 0, 1, 2, 3
 _TOKEN = object()
 _new_lock = threading.Lock
+_object_new = object.__new__
 # Guards state changes of all futures: critical sections are a few bytecodes,
 # so one shared lock is cheaper than allocating one per future.
 _guard = threading.Lock()
@@ -58,7 +59,15 @@ class Future(Generic[R]):
 
     @classmethod
     def _create(cls) -> Self:
-        return cls(_TOKEN)
+        # __init__'s work without its call and token check: one per call made.
+        fut = _object_new(cls)
+        fut._state = _PENDING
+        fut._result = None
+        lock = fut._lock = _new_lock()
+        lock.acquire()
+        fut._callbacks = None
+        fut._wedge = None
+        return fut
 
     @classmethod
     def _completed(cls, value: Any) -> Future[Any]:
@@ -165,7 +174,8 @@ class Future(Generic[R]):
         Raises ``TimeoutError`` after ``timeout`` seconds (the operation goes on).
         """
         if timeout is not None:
-            if not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0 or math.isinf(timeout):
+            # One chained comparison refuses NaN, negatives and infinity at once.
+            if not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
                 raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         if self._state == _PENDING:
             if self._wedge is not None:
