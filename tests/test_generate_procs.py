@@ -29,6 +29,7 @@ from conftest import module_procs  # noqa: E402
 from actormesh.parallel import Plan, PlanError  # noqa: E402
 from actormesh.parallel.hf import from_hf_state_dict, hf_causal_lm  # noqa: E402
 from actormesh.serve import LLMServerClient, SamplingParams, spawn_llm_server  # noqa: E402
+from test_prompt_logprobs import check as check_prompt_scores  # noqa: E402
 
 LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -102,6 +103,10 @@ def test_greedy_equals_hf_generate_under_the_plan(procs: Any, plan: Plan) -> Non
         triples = run(collect(client, PROMPTS[1], SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2)))
         assert [t for t, _, _ in triples] == tokens and [top[0][0] for _, _, top in triples] == tokens
         assert torch.allclose(torch.tensor([top[0][1] for _, _, top in triples], dtype=torch.float64), want.double(), atol=1e-4)
+        # a scored prompt: every position's logits on the head's rank (under pp=2 the last stage), sent to rank 0
+        scored = run(collect(client, PROMPTS[2], SamplingParams(max_tokens=2, prompt_logprobs=2)))
+        check_prompt_scores(old, PROMPTS[2], 2, scored[0])
+        assert scored[1:] == hf_greedy(old, PROMPTS[2], 2)
         # weights that do not fit are refused by the rank that checks them; nothing is swapped anywhere
         partial_state = {k: v for k, v in from_hf_state_dict(new.state_dict()).items() if not k.startswith("blocks.3.")}
         with pytest.raises(ValueError, match="lack"):

@@ -68,6 +68,25 @@ def test_greedy_completion_is_hf_generate(client: openai.OpenAI, model_dir: Path
     assert got.usage is not None and got.usage.completion_tokens == len(want)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client: openai.OpenAI, model_dir: Path) -> None:
+    """lm-eval's loglikelihood request through the whole stack (HTTP, service, replica proc)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = LlamaForCausalLM.from_pretrained(str(model_dir)).eval()
+    prompt = tok.encode("hello world, actors")
+    with torch.no_grad():
+        scores = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    want = scores.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = got.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(prompt)] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) in (1, 2) for top in lp.top_logprobs[1:])  # the chosen token and the most probable one
+
+
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "hello actors"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)

@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from actormesh.serve import OpenAIServer, SamplingParams, create_openai_app
+from actormesh.serve import OpenAIServer, PromptLogprobs, SamplingParams, create_openai_app
 from test_serve_http import tokenizer  # noqa: F401  (the tiny tokenizer fixture)
 
 MODEL = "tiny-lp"
@@ -27,6 +27,10 @@ def logprob_of(i: int) -> float:
     return -0.25 * (i + 1)
 
 
+def prompt_score(i: int) -> float:
+    return -0.5 * i
+
+
 class ScoredGenerator:
     """Yields a fixed script; with ``params.logprobs``, ``(token, logprob_of(i))`` pairs.
     ``eos_at``: yield the EOS token at that step instead (a stop token)."""
@@ -37,9 +41,14 @@ class ScoredGenerator:
         self.script, self.eos = script, eos
         self.eos_at: int | None = None
         self.asked: list[SamplingParams] = []
+        self.scores_prompts = True
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Any]:
         self.asked.append(params)
+        k = params.prompt_logprobs
+        if k is not None and self.scores_prompts:  # as engines do: the scored prompt first
+            yield PromptLogprobs(tuple((t, None, ()) if i == 0 else (t, prompt_score(i), tuple(
+                (a, prompt_score(i) - 1 - j) for j, a in enumerate(TOP[:k]))) for i, t in enumerate(prompt_ids)))
         for i in range(params.max_tokens):
             await asyncio.sleep(0)
             tid = self.eos if i == self.eos_at else self.script[i % len(self.script)]
@@ -64,6 +73,7 @@ def served(tokenizer: Any) -> Iterator[tuple[openai.OpenAI, ScoredGenerator]]:
 def client(served: tuple[openai.OpenAI, ScoredGenerator]) -> openai.OpenAI:
     served[1].eos_at = None
     served[1].asked.clear()
+    served[1].scores_prompts = True
     return served[0]
 
 
@@ -152,7 +162,6 @@ def test_the_most_probable_tokens_per_position(served: tuple[openai.OpenAI, Scor
 
 
 @pytest.mark.parametrize("kind, extra, field, says", [
-    ("completions", {"logprobs": 0, "echo": True}, "echo", "prompt's log-probabilities"),
     ("completions", {"logprobs": 6}, "logprobs", "less than or equal to 5"),
     ("chat", {"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
@@ -223,3 +232,37 @@ def test_echo_streams_the_prompt_first(client: openai.OpenAI) -> None:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[i] for i in range(4)] == [c.text for c in whole.choices]
     assert whole.choices[0].text.startswith("hello there") and whole.choices[2].text.startswith("actors")
+
+
+def test_echo_with_logprobs_scores_the_prompt_first(tokenizer: Any, client: openai.OpenAI) -> None:
+    """lm-eval's loglikelihood request: the prompt's tokens lead every list, the first unscored."""
+    prompt = "hello there"
+    ids = tokenizer.encode(prompt)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == prompt
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True, temperature=0)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    n = len(ids)
+    assert out.choices[0].text.startswith(prompt) and len(lp.tokens) == n + 3
+    assert b"".join(raw_of(t) for t in lp.tokens[:n]) == prompt.encode()
+    assert lp.token_logprobs == [None] + [prompt_score(i) for i in range(1, n)] + [logprob_of(i) for i in range(3)]
+    assert lp.top_logprobs[0] is None
+    alts = [tokenizer.decode([a]) for a in TOP[:2]]
+    assert lp.top_logprobs[1] == {lp.tokens[1]: prompt_score(1), **{a: prompt_score(1) - 1 - j for j, a in enumerate(alts)}}
+    assert lp.text_offset is not None and lp.text_offset[0] == 0 and lp.text_offset[n] == len(prompt)
+    # streamed: the first chunk carries the prompt's entries, the rest the new tokens'
+    entries: list[Any] = []
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=2, echo=True,
+                                           temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            entries += chunk.choices[0].logprobs.token_logprobs or []
+    assert entries == lp.token_logprobs
+
+
+def test_echo_with_logprobs_from_a_generator_that_cannot_score_is_refused(served: tuple[openai.OpenAI, ScoredGenerator],
+                                                                         client: openai.OpenAI) -> None:
+    served[1].scores_prompts = False
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=2, logprobs=0, echo=True)
+    assert info.value.param == "echo" and "no prompt log-probabilities" in info.value.message
+    assert served[1].asked[-1].prompt_logprobs == 0

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._kv_cache import KVCache
+from ._prompt_scores import RowScores, last_positions, score_rows, scores_to_rank0
 
 __all__ = ["StepPlan", "Shaping", "Sampler", "StepRunner", "StageLinks", "sample_token"]
 
@@ -63,12 +64,17 @@ class StepPlan:
     version: int = 0  #: for "swap": which staged weights to install
     logprobs: bool = False  #: also give each sampled token's log-probability (``StepRunner.last_logprobs``)
     top_logprobs: int = 0  #: and the most probable tokens of each row, this many (``StepRunner.last_top_logprobs``)
+    #: prefill rows whose prompt is scored (see _prompt_scores), each with how many top tokens per position
+    prompt_logprobs: dict[int, int] = field(default_factory=dict)
 
     def groups(self) -> list[list[int]]:
-        """Row indices of the prefill pass (new prompts) and of the decode pass (one token each)."""
-        prefill = [i for i, s in enumerate(self.starts) if s == 0]
+        """Row indices of the prefill pass (new prompts), of the prefill pass that scores its
+        prompts (it keeps every position's logits), and of the decode pass (one token each)."""
+        scored = self.prompt_logprobs
+        prefill = [i for i, s in enumerate(self.starts) if s == 0 and i not in scored]
+        scoring = [i for i, s in enumerate(self.starts) if s == 0 and i in scored]
         decode = [i for i, s in enumerate(self.starts) if s != 0]
-        return [g for g in (prefill, decode) if g]
+        return [g for g in (prefill, scoring, decode) if g]
 
 
 def sample_token(logits: Any, temperature: float, top_k: int, top_p: float, generator: Any) -> int:
@@ -204,6 +210,8 @@ class StepRunner:
         self.last_logprobs: list[float] | None = None  #: of the last ``run`` whose plan asked for them (rank 0)
         #: per row, the most probable tokens as (id, log-probability) pairs, when the last plan asked (rank 0)
         self.last_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+        #: per row of the last plan's ``prompt_logprobs``, its prompt's scores (rank 0; see _prompt_scores)
+        self.last_prompt_logprobs: dict[int, RowScores] | None = None
         self.forward = chunk.forward_cached
         self.compiled = bool(compile)
         if compile:
@@ -221,11 +229,17 @@ class StepRunner:
 
         order: list[int] = []
         logits: list[Any] = []
+        scores: dict[int, Any] = {}
         with torch.no_grad():
             for rows in plan.groups():
-                out = self._forward(plan, rows)
+                full = rows[0] in plan.prompt_logprobs  # a group scores all its rows or none
+                out = self._forward(plan, rows, full)
                 order.extend(rows)
                 if out is not None:
+                    if full:
+                        if self.samples:
+                            scores.update(score_rows(out, plan, rows))
+                        out = last_positions(out, plan, rows)
                     logits.append(out)
         tokens: list[int] | None = None
         logprobs: list[float] | None = None
@@ -245,12 +259,14 @@ class StepRunner:
                     where = torch.tensor(order).argsort()
                     top = (top[0][where], top[1][where])
         tokens, self.last_logprobs, top = self._to_rank0(tokens, logprobs, top, len(order), plan)
+        self.last_prompt_logprobs = scores_to_rank0(self.links, scores if self.samples else None, plan)
         self.last_top_logprobs = None if top is None else [
             tuple(zip(ids, values)) for ids, values in zip(top[0].tolist(), top[1].double().tolist())]
         return tokens
 
-    def _forward(self, plan: StepPlan, rows: list[int]) -> Any:
-        """One pass over ``rows`` (all prefill or all decode); logits ``[len(rows), vocab]`` on the last stage."""
+    def _forward(self, plan: StepPlan, rows: list[int], full: bool = False) -> Any:
+        """One pass over ``rows`` (all prefill or all decode); logits ``[len(rows), vocab]`` on the last
+        stage, or with ``full`` every position's, ``[len(rows), width, vocab]``."""
         import torch
         import torch.distributed as dist
 
@@ -269,7 +285,7 @@ class StepRunner:
                         uniform=not self.compiled and len(set(lens)) == 1 and len(set(starts)) == 1,
                         slot_ids=slots, kv_len=max(starts) + width)  # padded positions are written too
         # one new token per row: it is already the last one
-        last = torch.tensor(lens, device=self.device) - 1 if width > 1 or self.compiled else None
+        last = torch.tensor(lens, device=self.device) - 1 if (width > 1 or self.compiled) and not full else None
         links = self.links
         if links is None or links.is_first:
             x = ids.to(self.device)
@@ -280,7 +296,7 @@ class StepRunner:
         if links is not None and not links.is_last:
             dist.send(h.contiguous(), dst=links.next_rank)
             return None
-        return h[:, -1]
+        return h if full else h[:, -1]
 
     def _to_rank0(self, tokens: list[int] | None, logprobs: list[float] | None, top: Any, n: int,
                   plan: StepPlan) -> tuple[list[int] | None, list[float] | None, Any]:

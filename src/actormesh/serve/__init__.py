@@ -31,10 +31,11 @@ from ._llm_server import LLMServer, spawn_llm_server
 from ._metrics import ReplicaMetrics, ServiceMetrics
 from ._router import LeastLoaded, ReplicaLoad, RoundRobin, Router
 from ._service import ReplicaInfo, Service, ServiceEndpoint, Session, service
-from ._types import SamplingParams, TokenGenerator
+from ._types import PromptLogprobs, SamplingParams, TokenGenerator
 
 __all__ = [
     "SamplingParams",
+    "PromptLogprobs",
     "TokenGenerator",
     "Service",
     "ServiceEndpoint",

@@ -18,7 +18,8 @@ class EngineBackend(Protocol):
     def run(self, plan: StepPlan) -> list[int]:
         """Run one step; the next token of every row. After a plan with ``logprobs=True``, a backend
         that can also has their log-probabilities in ``last_logprobs`` (and, with ``top_logprobs``,
-        each row's most probable tokens in ``last_top_logprobs``)."""
+        each row's most probable tokens in ``last_top_logprobs``); after a plan with
+        ``prompt_logprobs``, the prompts' scores in ``last_prompt_logprobs``."""
         ...
 
     def idle(self) -> None:
@@ -71,6 +72,11 @@ class LocalBackend:
     def last_top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
         """The last step's most probable tokens per row, when its plan asked for them."""
         return self.runner.last_top_logprobs
+
+    @property
+    def last_prompt_logprobs(self) -> dict[int, Any] | None:
+        """The last step's prompt scores per row, when its plan asked for them (see ``StepPlan.prompt_logprobs``)."""
+        return self.runner.last_prompt_logprobs
 
     def idle(self) -> None:
         pass

@@ -31,7 +31,10 @@ __all__ = ["LLMEngine", "EngineClosedError"]
 
 
 def _item(event: Event) -> Any:
-    """What a token event yields: the id, or with log-probabilities a tuple (see ``generate``)."""
+    """What a token event yields: the id, or with log-probabilities a tuple (see ``generate``);
+    a scored prompt's event yields its :class:`PromptLogprobs`."""
+    if event.prompt is not None:
+        return event.prompt
     if event.logprob is None:
         return event.token
     if event.top is None:
@@ -179,6 +182,8 @@ class LLMEngine:
                 if event.token is not None:
                     outs[i].append(event.token)
                     return
+                if event.prompt is not None:
+                    return  # complete() gives the new tokens only
                 if event.error is not None:
                     errors.append(event.error)
                 left.release()
@@ -323,7 +328,8 @@ class LLMEngine:
         self.step_s += took
         logprobs = getattr(self.backend, "last_logprobs", None) if plan.logprobs else None
         tops = getattr(self.backend, "last_top_logprobs", None) if plan.top_logprobs else None
-        for req, event in self._scheduler.commit(plan, tokens, logprobs, tops):
+        prompts = getattr(self.backend, "last_prompt_logprobs", None) if plan.prompt_logprobs else None
+        for req, event in self._scheduler.commit(plan, tokens, logprobs, tops, prompts):
             if event.token is not None:
                 self.tokens_generated += 1
             _deliver(req, event)

@@ -42,7 +42,7 @@ async def stream_tokens(queue: asyncio.Queue[tuple[str, Any]], timeout_s: float,
                 kind, value = queue.get_nowait() if not queue.empty() else await _get_within(queue, timeout_s)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"no token from the {source} within {timeout_s}s (request cancelled)") from None
-            if kind == "token":
+            if kind == "token" or kind == "prompt":  # a scored prompt: its PromptLogprobs, before the first token
                 yield value
                 continue
             finished = True

@@ -124,6 +124,11 @@ class _ReplicaBackend:
         """The last step's most probable tokens per row, when its plan asked for them."""
         return self.replica.runner.last_top_logprobs
 
+    @property
+    def last_prompt_logprobs(self) -> dict[int, Any] | None:
+        """The last step's prompt scores per row, when its plan asked for them."""
+        return self.replica.runner.last_prompt_logprobs
+
     def idle(self) -> None:
         if self.replica.distributed and time.monotonic() - self._last_broadcast >= self.idle_s:
             self._broadcast(StepPlan(kind="idle"))

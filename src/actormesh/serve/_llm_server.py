@@ -191,6 +191,9 @@ class LLMServer(Actor):
                 done.set_result(event)
 
         def sink(event: Event) -> None:
+            if event.prompt is not None:
+                self._queue(port, (request_id, "prompt", event.prompt))
+                return
             if event.token is not None:
                 if event.logprob is None:
                     self._queue(port, (request_id, "token", event.token))
@@ -216,11 +219,12 @@ class LLMServer(Actor):
             if not self._outbox:
                 self._oldest = self._clock()
             self._outbox.setdefault(port.ref, (port, []))[1].append(item)
-            if kind != "token":  # the end of a request: its caller is waiting for it
+            if kind == "token":
+                if request_id not in self._streaming:  # time to first token is not delayed
+                    self._streaming.add(request_id)
+                    self._urgent = True
+            elif kind != "prompt":  # the end of a request (a scored prompt comes with its first token)
                 self._streaming.discard(request_id)
-                self._urgent = True
-            elif request_id not in self._streaming:  # time to first token is not delayed
-                self._streaming.add(request_id)
                 self._urgent = True
 
     def _flush(self, next_step_s: float | None = None) -> None:

@@ -99,7 +99,10 @@ class Endpoint:
 
     def params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
         seed = None if req.seed is None else req.seed + choice
+        # The legacy completions' echo with logprobs scores the prompt too (lm-eval's loglikelihood uses it).
+        echo_scored = isinstance(req, CompletionRequest) and req.echo and wants_logprobs(req)
         return SamplingParams(
+            prompt_logprobs=top_logprobs(req) if echo_scored else None,
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=req.top_k or 0,
@@ -143,12 +146,15 @@ class Endpoint:
     async def collect(self, request: Request, pieces: AsyncIterator[Piece], first: Piece, total: int) -> list[dict[str, Any]]:
         """Run every choice to its end; return ``[{"text", "finish_reason", "tokens", "logprobs"}]``
         (``logprobs``: the chosen tokens' ``(text, log-probability)``, when asked for)."""
-        out: list[dict[str, Any]] = [{"text": "", "finish_reason": None, "tokens": 0, "logprobs": []} for _ in range(total)]
+        out: list[dict[str, Any]] = [{"text": "", "finish_reason": None, "tokens": 0, "logprobs": [], "prompt": None}
+                                     for _ in range(total)]
 
         def add(piece: Piece) -> None:
             slot = out[piece.index]
             slot["text"] += piece.text
             slot["logprobs"].extend(piece.logprobs)
+            if piece.prompt is not None:
+                slot["prompt"] = piece.prompt
             slot["tokens"] = piece.completion_tokens
             if piece.finish_reason:
                 slot["finish_reason"] = piece.finish_reason

@@ -41,7 +41,19 @@ class CompletionLogprobs:
         self._chars: dict[int, int] = {}
         self._decoders: dict[int, codecs.IncrementalDecoder] = {}
 
-    def entries(self, index: int, scored: Scored) -> dict[str, Any]:
+    def entries(self, index: int, scored: Scored, prompt: Scored | None = None, echoed: str = "") -> dict[str, Any]:
+        """The entries of ``scored``, the tokens of a choice's next piece. With ``prompt`` (echo of a
+        scored prompt, on the first piece) the prompt's tokens come first, and the generated tokens'
+        offsets start after ``echoed``, the prompt's text as the choice's text begins with it."""
+        if prompt is None:
+            return self._entries(index, scored)
+        head = self._entries(index, prompt)
+        self._chars[index] = len(echoed)
+        self._decoders.pop(index, None)
+        tail = self._entries(index, scored)
+        return {key: head[key] + tail[key] for key in head}
+
+    def _entries(self, index: int, scored: Scored) -> dict[str, Any]:
         decoder = self._decoders.get(index)
         if decoder is None:
             decoder = self._decoders[index] = codecs.getincrementaldecoder("utf-8")("replace")
@@ -55,8 +67,10 @@ class CompletionLogprobs:
         return {
             "tokens": tokens,
             "token_logprobs": [lp for _, lp, _ in scored],
-            # The chosen token and the most probable ones: up to logprobs + 1 entries, as OpenAI gives.
-            "top_logprobs": [{t: lp, **{_completion_token(a): alp for a, alp in top}} for t, (_, lp, top) in zip(tokens, scored)],
+            # The chosen token and the most probable ones: up to logprobs + 1 entries, as OpenAI gives;
+            # nothing for a prompt's first token, which nothing predicts.
+            "top_logprobs": [None if lp is None else {t: lp, **{_completion_token(a): alp for a, alp in top}}
+                             for t, (_, lp, top) in zip(tokens, scored)],
             "text_offset": offsets,
         }
 

@@ -58,9 +58,6 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
         start = time.perf_counter()
         state.check_request(req)
         scored = wants_logprobs(req)
-        if req.echo and scored:
-            raise OpenAIError(400, "echo with logprobs asks for the prompt's log-probabilities, which this server does not "
-                              "compute; drop echo or logprobs", param="echo", code="unsupported_parameter")
         prompts = state.prompts.completion_prompts(req)
         max_tokens = state.prompts.max_tokens(prompts, req.max_tokens, "prompt")
         prompt_tokens = sum(len(p) for p in prompts)
@@ -77,11 +74,12 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
             echoed: set[int] = set()
 
             def chunk(p: Piece) -> dict[str, Any]:
-                lps = listed.entries(p.index, p.logprobs) if scored else None
-                text = p.text
+                text = prompt_text = ""
                 if req.echo and p.index not in echoed:  # a choice's first chunk starts with its prompt
                     echoed.add(p.index)
-                    text = state.tokenizer.decode(prompts[p.index // req.n], skip_special_tokens=True) + text
+                    prompt_text = state.tokenizer.decode(prompts[p.index // req.n], skip_special_tokens=True)
+                text = prompt_text + p.text
+                lps = listed.entries(p.index, p.logprobs, p.prompt, prompt_text) if scored else None
                 choice = {"index": p.index, "text": text, "logprobs": lps, "finish_reason": p.finish_reason}
                 return {**head, "choices": [choice]}
 
@@ -99,7 +97,11 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
         listed = CompletionLogprobs()
         for i, o in enumerate(out):
             echo = state.tokenizer.decode(prompts[i // req.n], skip_special_tokens=True) if req.echo else ""
-            lps = listed.entries(i, o["logprobs"]) if scored else None
+            if scored and req.echo and o["prompt"] is None:
+                raise OpenAIError(400, "echo with logprobs scores the prompt, and this server's generator gave no "
+                                  "prompt log-probabilities (SamplingParams.prompt_logprobs); drop echo or logprobs",
+                                  param="echo", code="unsupported_parameter")
+            lps = listed.entries(i, o["logprobs"], o["prompt"], echo) if scored else None
             choices.append({"index": i, "text": echo + o["text"], "logprobs": lps, "finish_reason": o["finish_reason"]})
         return JSONResponse({**head, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
 

@@ -16,9 +16,10 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..parallel import Shaping, StepPlan
-from ._types import SamplingParams
+from ._types import PromptLogprobs, PromptToken, SamplingParams
 
 __all__ = ["Event", "Request", "Scheduler", "check_prompt"]
 
@@ -33,6 +34,8 @@ class Event:
     logprob: float | None = None  #: the token's log-probability, when the request asked for it
     #: the most probable tokens at this position, ``(id, log-probability)``, when the request asked for them
     top: tuple[tuple[int, float], ...] | None = None
+    #: the scored prompt (``SamplingParams.prompt_logprobs``): an event of its own, before the first token
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass(eq=False)
@@ -76,6 +79,8 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int
             raise ValueError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary (0..{vocab_size - 1})")
     if vocab_size is not None and params.top_logprobs > vocab_size:
         raise ValueError(f"top_logprobs={params.top_logprobs} is more than the model's vocabulary of {vocab_size} tokens")
+    if vocab_size is not None and (params.prompt_logprobs or 0) > vocab_size:
+        raise ValueError(f"prompt_logprobs={params.prompt_logprobs} is more than the model's vocabulary of {vocab_size} tokens")
     if len(ids) + params.max_tokens > max_context:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {len(ids) + params.max_tokens} "
                          f"is over the model's context of {max_context} tokens: shorten the prompt or lower max_tokens")
@@ -134,15 +139,20 @@ class Scheduler:
             plan.sampling.append((float(p.temperature), int(p.top_k), float(p.top_p)))
             plan.logprobs = plan.logprobs or p.logprobs
             plan.top_logprobs = max(plan.top_logprobs, p.top_logprobs)
+            if req.position == 0 and p.prompt_logprobs is not None:
+                plan.prompt_logprobs[len(plan.slots) - 1] = p.prompt_logprobs
         return plan if plan.slots else None
 
     def commit(self, plan: StepPlan, tokens: list[int], logprobs: list[float] | None = None,
-               tops: list[tuple[tuple[int, float], ...]] | None = None) -> list[tuple[Request, Event]]:
-        """Apply the step's sampled ``tokens`` (their ``logprobs``, each row's most probable tokens ``tops``);
-        the events to deliver, in row order."""
+               tops: list[tuple[tuple[int, float], ...]] | None = None,
+               prompts: dict[int, Any] | None = None) -> list[tuple[Request, Event]]:
+        """Apply the step's sampled ``tokens`` (their ``logprobs``, each row's most probable tokens ``tops``,
+        the scores of the prompts it was asked to score ``prompts``); the events to deliver, in row order."""
         events: list[tuple[Request, Event]] = []
         for row, (slot, fed, start, token) in enumerate(zip(plan.slots, plan.tokens, plan.starts, tokens)):
             req = self.running[slot]
+            if row in plan.prompt_logprobs:
+                events.append((req, Event(prompt=_scored_prompt(fed, (prompts or {}).get(row)))))
             req.position = start + len(fed)
             if token in req.params.stop_token_ids:
                 self._retire(req)
@@ -170,3 +180,15 @@ class Scheduler:
     def _retire(self, req: Request) -> None:
         del self.running[req.slot]
         self.free.append(req.slot)
+
+
+def _scored_prompt(prompt: list[int], scores: Any) -> PromptLogprobs:
+    """A prompt and its scores (``_prompt_scores.RowScores``) as the event carries them: the first
+    token has no log-probability (nothing comes before it)."""
+    if scores is None:
+        raise RuntimeError("the backend gave no prompt scores for a row that asked for them")
+    chosen, tops = scores
+    out: list[PromptToken] = [(prompt[0], None, ())]
+    for i, token in enumerate(prompt[1:]):
+        out.append((token, float(chosen[i]), tuple(tops[i]) if tops is not None else ()))
+    return PromptLogprobs(tuple(out))

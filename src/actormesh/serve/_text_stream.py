@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 
 from ._token_bytes import token_bytes
-from ._types import SamplingParams, TokenGenerator
+from ._types import PromptLogprobs, SamplingParams, TokenGenerator
 
 #: how long closing a cancelled request's token iterator may take
 CLOSE_TIMEOUT_S = 10.0
@@ -130,6 +130,9 @@ class Piece:
     completion_tokens: int = 0  #: tokens generated so far for this choice
     #: with ``SamplingParams.logprobs``: each token generated since the last piece (stop tokens excluded)
     logprobs: tuple[TokenScore, ...] = ()
+    #: with ``SamplingParams.prompt_logprobs``, on a choice's first piece: every prompt token, scored
+    #: (the first has no log-probability)
+    prompt: tuple[TokenScore, ...] | None = None
 
 
 async def close_iterator(it: Any) -> None:
@@ -140,6 +143,10 @@ async def close_iterator(it: Any) -> None:
     with anyio.CancelScope(shield=True) as scope:
         scope.deadline = anyio.current_time() + CLOSE_TIMEOUT_S
         await aclose()
+
+
+def _score(decoder: TextDecoder, token: int, logprob: float | None, top: Sequence[tuple[int, float]]) -> TokenScore:
+    return decoder.token_bytes(token), logprob, tuple((decoder.token_bytes(t), lp) for t, lp in top)
 
 
 async def run_sequence(
@@ -164,44 +171,44 @@ async def run_sequence(
     stop_ids = set(params.stop_token_ids)
     want = params.logprobs
     scored: list[TokenScore] = []  # tokens not yet in a piece, with their log-probabilities
+    prompt: list[tuple[TokenScore, ...] | None] = [None]  # the scored prompt, until a piece carries it
 
-    def taken() -> tuple[TokenScore, ...]:
-        out = tuple(scored)
+    def piece(text: str, finish_reason: str | None) -> Piece:  # takes the scores gathered so far
+        out = Piece(index, text, finish_reason, count, tuple(scored), prompt[0])
         scored.clear()
+        prompt[0] = None
         return out
 
     try:
         async for item in it:
             if finish is not None:
                 break  # past its end: close it
+            if type(item) is PromptLogprobs:
+                prompt[0] = tuple(_score(decoder, *t) for t in item.tokens)
+                continue
             count += 1
             # With logprobs, generators yield (token id, log-probability[, top tokens]).
-            top: Sequence[tuple[int, float]] = ()
-            if type(item) is tuple:
-                tid, logprob, *rest = item
-                top = rest[0] if rest else ()
-            else:
-                tid, logprob = item, None
+            tid, logprob, top = (item[0], item[1], item[2] if len(item) > 2 else ()) if type(item) is tuple else (item, None, ())
             if tid in stop_ids:
                 finish = "stop"
                 continue
             if want:
-                scored.append((decoder.token_bytes(tid), logprob, tuple((decoder.token_bytes(t), lp) for t, lp in top)))
+                scored.append(_score(decoder, tid, logprob, top))
             delta = decoder.feed(tid)
             if decoder.stopped:
                 finish = "stop"
                 if delta:
-                    yield Piece(index, delta, None, count, taken())
+                    yield piece(delta, None)
                 break  # a stop string: the generator does not know, cancel it
             if delta:
-                yield Piece(index, delta, None, count, taken())
+                yield piece(delta, None)
             if count >= params.max_tokens:
                 finish = "length"
     finally:
         await close_iterator(it)
     if finish is None:
         finish = "length" if count >= params.max_tokens else "stop"
-    yield Piece(index, decoder.finish(), finish, count, taken())
+    yield piece(decoder.finish(), finish)
 
 
 _DONE = object()

@@ -43,6 +43,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     #: added to the logits of these token ids, in [-100, 100] (-100 bans a token, 100 all but forces it)
     logit_bias: Mapping[int, float] | None = None
+    #: also score the prompt (vLLM's name): each prompt token's log-probability given the tokens
+    #: before it and, at each position, this many most probable tokens; None: not scored.
+    #: Generators then yield one :class:`PromptLogprobs` before the first token.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -57,6 +61,9 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=True")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
@@ -66,6 +73,19 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+
+
+#: One prompt token scored: its id, its log-probability given the tokens before it (None for
+#: the first, which has none), and the most probable tokens at its position as ``(id, log-probability)``.
+PromptToken = tuple[int, "float | None", tuple[tuple[int, float], ...]]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """What a generator yields first for a request with ``SamplingParams.prompt_logprobs``:
+    every prompt token, scored (:data:`PromptToken`), in order."""
+
+    tokens: tuple[PromptToken, ...]
 
 
 @runtime_checkable
