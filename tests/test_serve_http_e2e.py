@@ -85,6 +85,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client: openai.O
     assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:len(prompt)] == pytest.approx(want, abs=1e-4)
     assert all(len(top) in (1, 2) for top in lp.top_logprobs[1:])  # the chosen token and the most probable one
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
+    assert alone.choices[0].logprobs is not None and alone.usage is not None and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:len(prompt)], abs=1e-6)
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:

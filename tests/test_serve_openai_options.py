@@ -266,3 +266,20 @@ def test_echo_with_logprobs_from_a_generator_that_cannot_score_is_refused(served
         client.completions.create(model=MODEL, prompt="hello", max_tokens=2, logprobs=0, echo=True)
     assert info.value.param == "echo" and "no prompt log-probabilities" in info.value.message
     assert served[1].asked[-1].prompt_logprobs == 0
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(tokenizer: Any, client: openai.OpenAI) -> None:
+    """The legacy way to score a prompt (older lm-eval): nothing generated, the prompt back with its scores."""
+    prompt = "hello there"
+    n = len(tokenizer.encode(prompt))
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs == [None] + [prompt_score(i) for i in range(1, n)]
+    assert out.usage is not None and out.usage.completion_tokens == 0
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=0,
+                                                                              echo=True, stream=True) if c.choices)
+    assert streamed == prompt
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert info.value.param == "max_tokens" and "echo" in info.value.message

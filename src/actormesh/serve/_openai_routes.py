@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,7 +35,7 @@ from ._openai import (
 from ._openai_logprobs import CompletionLogprobs, chat_logprobs
 from ._openai_errors import OpenAIError, install_error_handlers
 from ._openai_schema import ChatCompletionRequest, CompletionRequest
-from ._text_stream import Piece
+from ._text_stream import Piece, close_iterator
 from ._types import TokenGenerator
 
 #: status logged for a request whose client went away (nginx's convention; never seen by the client)
@@ -50,6 +50,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+async def _prompt_only(pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """The pieces of ``max_tokens=0``: each choice's prompt scores, none of its new text."""
+    try:
+        async for p in pieces:
+            yield Piece(p.index, "", "length" if p.finish_reason else None, 0, (), p.prompt)
+    finally:
+        await close_iterator(pieces)
+
+
 def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
     ep = Endpoint(state, "completions")
 
@@ -58,11 +67,17 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
         start = time.perf_counter()
         state.check_request(req)
         scored = wants_logprobs(req)
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise OpenAIError(400, "max_tokens=0 generates nothing, which only makes sense with echo (the prompt back, "
+                              "scored with logprobs); set max_tokens >= 1 or echo", param="max_tokens", code=None)
         prompts = state.prompts.completion_prompts(req)
-        max_tokens = state.prompts.max_tokens(prompts, req.max_tokens, "prompt")
+        max_tokens = state.prompts.max_tokens(prompts, 1 if prompt_only else req.max_tokens, "prompt")
         prompt_tokens = sum(len(p) for p in prompts)
         state.metrics.prompt_tokens.labels(ep.name).inc(prompt_tokens)
         pieces = ep.streams(req, prompts, max_tokens)
+        if prompt_only:  # one token is generated (the prompt is scored by the step that picks it), then dropped
+            pieces = _prompt_only(pieces)
         try:
             first = await ep.first(request, pieces, start)
         except Disconnected:

@@ -66,7 +66,8 @@ class CompletionRequest(_Common):
     """Body of ``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    #: 0 only with ``echo``: the prompt alone, scored with ``logprobs`` (nothing generated)
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     #: each chosen token's log-probability and this many of the most probable tokens per position
     logprobs: int | None = Field(default=None, ge=0, le=5)
