@@ -180,6 +180,33 @@ def test_a_burst_goes_in_batches_and_keeps_its_order(actor: Any) -> None:
     assert rt.messages_batched() > batched
 
 
+def test_callers_on_several_threads_each_keep_their_order(actor: Any) -> None:
+    """Threads of one process share the route and its batches: nothing is lost, and each
+    thread's calls arrive in the order it made them."""
+    import threading
+
+    one = actor.slice(gpus=1)
+    n, per = 4, 500
+    futures: list[list[Any]] = [[] for _ in range(n)]
+
+    def caller(t: int) -> None:
+        futures[t] = [one.record.call_one(t * per + i) for i in range(per)]
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=T)
+    assert not any(th.is_alive() for th in threads)
+    for fs in futures:
+        for f in fs:
+            f.get(timeout=T)
+    seen = one.recorded.call_one().get(timeout=T)
+    assert sorted(seen) == list(range(n * per))
+    for t in range(n):
+        assert [i for i in seen if i // per == t] == list(range(t * per, (t + 1) * per))
+
+
 def test_errors_reach_the_caller_and_the_actor_serves_on(actor: Any) -> None:
     one = actor.slice(gpus=0)
     with pytest.raises(ActorError, match="no such thing") as info:
