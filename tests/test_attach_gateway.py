@@ -92,6 +92,9 @@ port, recv = Channel.open()
 echo.send_to.broadcast(port, "pushed")  # procs send to the client with no reply port to answer
 out["pushed"] = [recv.recv().get(timeout=T) for _ in range(4)]
 out["relayed"] = [echo.slice(hosts=1, procs=0).relay.call_one(port).get(timeout=T), recv.recv().get(timeout=T)]
+burst = [echo.slice(hosts=1, procs=1).echo.call_one(i) for i in range(1000)]  # batches, relayed both ways
+out["burst"] = [f.get(timeout=T)[0] for f in burst] == list(range(1000))
+out["batched"] = current_runtime().messages_batched() > 0
 out["sockets_busy"] = sockets()
 try:
     echo.slice(hosts=0, procs=1).crash.call_one().get(timeout=T)
@@ -304,6 +307,7 @@ def test_attached_client_reaches_procs_on_two_hosts_only_through_its_gateway(wor
     assert out["echo"] == ["hi"] * 4 and len(set(out["proc_pids"])) == 4
     assert out["pushed"] == ["pushed"] * 4
     assert out["relayed"] == ["relayed", "from-inner"]
+    assert out["burst"] and out["batched"]
     for when in ("sockets_busy", "sockets_end"):
         # One TCP connection (to the gateway), nothing listening, no socket file: nothing a proc could dial.
         assert out[when]["inet"] == [["ESTABLISHED", gateway_port]], (when, out[when])
