@@ -153,27 +153,31 @@ class Route:
                 p = payload[0]
                 if type(p) is bytes and len(p) <= _ITEM_BYTES:
                     item = (tuple(env), p)
-        with self._lock:
-            batch = self._batch
-            if batch is None:
-                if item is None or self.conn is not conn:
+        lost: list[tuple[Envelope, Cause]] = []
+        try:
+            with self._lock:
+                batch = self._batch
+                if batch is None:
+                    if item is None or self.conn is not conn:
+                        return False
+                    if not self._runtime.call_soon_anywhere(self._flush_batch):
+                        return False  # the loop is closed: the send reports it
+                    self._batch = [item]
+                    self._batch_key = key
+                    return True
+                if item is None:
+                    lost = self._send_batch_locked()
                     return False
-                if not self._runtime.call_soon_anywhere(self._flush_batch):
-                    return False  # the loop is closed: the send reports it
-                self._batch = [item]
-                self._batch_key = key
+                if len(batch) >= _BATCH_ITEMS:  # full: it goes now, this one opens the next
+                    lost = self._send_batch_locked()  # (the flush already scheduled sends that)
+                    self._batch = batch = []
+                    self._batch_key = key
+                batch.append(item)
+                if key != self._batch_key:
+                    self._batch_key = None
                 return True
-            if item is None:
-                self._send_batch_locked()
-                return False
-            if len(batch) >= _BATCH_ITEMS:  # full: it goes now, this one opens the next
-                self._send_batch_locked()   # (the flush already scheduled sends that)
-                self._batch = batch = []
-                self._batch_key = key
-            batch.append(item)
-            if key != self._batch_key:
-                self._batch_key = None
-            return True
+        finally:
+            self._fail_lost(lost)
 
     def _unbatch_locked(self) -> None:
         """The connection is going: the batch's messages wait at the head of the queue,
@@ -192,17 +196,24 @@ class Route:
 
     def _flush_batch(self) -> None:
         with self._lock:
-            self._send_batch_locked()
+            lost = self._send_batch_locked()
+        self._fail_lost(lost)
 
-    def _send_batch_locked(self) -> None:
+    def _fail_lost(self, lost: list[tuple[Envelope, Cause]]) -> None:
+        """Fail the replies of batched messages the connection did not take (outside the lock)."""
+        for env, cause in lost:
+            self._runtime.undeliverable(env, self.address, cause)
+
+    def _send_batch_locked(self) -> list[tuple[Envelope, Cause]]:
+        """Hand the batch to the connection; the messages it could not take, and why."""
         batch, self._batch = self._batch, None
         conn = self.conn
         if not batch:
-            return
+            return []
         if conn is None:  # cannot happen (every way to None unbatches), kept as a guard
             self._batch = batch
             self._unbatch_locked()
-            return
+            return []
         if len(batch) == 1:
             t, p = batch[0]
             segments: list[Segment] = [_dumps(t, 5)] if p is None else [_dumps(t, 5), p]
@@ -212,11 +223,14 @@ class Route:
         try:
             conn.send(segments, order_key=self._batch_key)
         except TransportError as exc:
+            lost = []
             for t, p in batch:
                 env = typed(t)
-                lost = self._closed_locked(conn, env, () if p is None else (p,), exc)
-                if lost is not None:
-                    self._runtime.undeliverable(env, self.address, lost)
+                cause = self._closed_locked(conn, env, () if p is None else (p,), exc)
+                if cause is not None:
+                    lost.append((env, cause))
+            return lost
+        return []
 
     def _closed_under_us(self, conn: Connection, env: Envelope, payload: Sequence[Segment],
                          exc: TransportError) -> Cause | None:
