@@ -257,6 +257,7 @@ def test_replica_failure_before_first_token_is_503(client: openai.OpenAI, gen: S
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
     assert info.value.status_code == 503 and "may or may not have run" in info.value.message
+    assert "retry-after" not in info.value.response.headers  # it may have run: no invitation to retry
 
 
 def test_overload_is_429(client: openai.OpenAI, gen: ScriptedGenerator) -> None:
@@ -264,6 +265,7 @@ def test_overload_is_429(client: openai.OpenAI, gen: ScriptedGenerator) -> None:
     with pytest.raises(openai.RateLimitError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True)
     assert info.value.code == "overloaded" and "did not run" in info.value.message
+    assert info.value.response.headers.get("retry-after") == "1"  # it did not run: a client may come back
 
 
 def test_chat_without_a_template_uses_the_plain_rendering(tmp_path: Path) -> None:

@@ -13,6 +13,9 @@ no replica healthy, or the service stopped    503     server_error / service_una
 every replica at its limits (did not run)     429     server_error / overloaded
 any other failure of the generator            500     server_error
 ==========================================  ======  =========================
+
+The 429, and the 503 of no healthy replica, carry ``Retry-After``: the request
+did not run, so a client may send it again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from ..errors import SupervisionError, TransportError
 from ._errors import ServiceOverloaded, ServiceStopped, ServiceUnavailable
 
 
+#: ``Retry-After`` (seconds) of a request that did not run because every replica was busy or
+#: none was up: clients that honour it (the ``openai`` client does) come back after this long.
+RETRY_AFTER_S = 1
+
+
 class OpenAIError(Exception):
     """A failure answered with OpenAI's error body and an HTTP status."""
 
@@ -39,6 +47,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,14 +55,17 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        #: sent as ``Retry-After``: the request did not run and may be tried again after this long
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        """This error as a JSON response."""
-        return JSONResponse(self.body(), status_code=self.status)
+        """This error as a JSON response (with ``Retry-After`` when a retry may succeed)."""
+        headers = None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def from_generator_failure(exc: BaseException) -> OpenAIError:
@@ -65,8 +77,11 @@ def from_generator_failure(exc: BaseException) -> OpenAIError:
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, ServiceOverloaded):
         return OpenAIError(429, f"every replica is busy; the request did not run, retry later ({text})",
-                           type="server_error", code="overloaded")
-    if isinstance(exc, (ServiceUnavailable, ServiceStopped)):
+                           type="server_error", code="overloaded", retry_after_s=RETRY_AFTER_S)
+    if isinstance(exc, ServiceUnavailable):  # replicas may come back (rebuilt): worth a retry
+        return OpenAIError(503, f"no replica can take the request; it did not run ({text})",
+                           type="server_error", code="service_unavailable", retry_after_s=RETRY_AFTER_S)
+    if isinstance(exc, ServiceStopped):
         return OpenAIError(503, f"no replica can take the request; it did not run ({text})",
                            type="server_error", code="service_unavailable")
     if isinstance(exc, (SupervisionError, TransportError)):
