@@ -99,10 +99,13 @@ class Receiving(Verbs):
 
     def _dispatch_batch(self, batch: M.Batch, conn: Connection | None) -> None:
         """A busy peer's small calls and replies, one frame for many (_routes.Route._coalesce)."""
-        try:
-            items = [(_from_wire(t), () if p is None else (p,)) for t, p in batch.items]
-            if any(e.kind not in _BATCHED or (p and type(p[0]) is not bytes) for e, p in items):
-                raise ValueError("a batch holds only calls and replies with at most one bytes payload")
+        items: list[tuple[Any, tuple[bytes, ...]]] = []
+        try:  # all checked before any is dispatched: a bad batch delivers nothing
+            for t, p in batch.items:
+                env = _from_wire(t)
+                if env.kind not in _BATCHED or (p is not None and type(p) is not bytes):
+                    raise ValueError("a batch holds only calls and replies with at most one bytes payload")
+                items.append((env, () if p is None else (p,)))
         except (ValueError, TypeError) as exc:
             log.warning("closing connection from %s: bad batch (%s)", conn.peer_name if conn else "?", exc)
             if conn is not None:

@@ -153,31 +153,35 @@ class Route:
                 p = payload[0]
                 if type(p) is bytes and len(p) <= _ITEM_BYTES:
                     item = (tuple(env), p)
+        lock = self._lock
+        lock.acquire()  # acquire/release, not ``with``: every message of a burst comes here
+        batch = self._batch
+        if item is not None and batch is not None and len(batch) < _BATCH_ITEMS:  # the common case
+            batch.append(item)
+            if key != self._batch_key:
+                self._batch_key = None
+            lock.release()
+            return True
         lost: list[tuple[Envelope, Cause]] = []
         try:
-            with self._lock:
-                batch = self._batch
-                if batch is None:
-                    if item is None or self.conn is not conn:
-                        return False
-                    if not self._runtime.call_soon_anywhere(self._flush_batch):
-                        return False  # the loop is closed: the send reports it
-                    self._batch = [item]
-                    self._batch_key = key
-                    return True
-                if item is None:
-                    lost = self._send_batch_locked()
+            if batch is None:
+                if item is None or self.conn is not conn:
                     return False
-                if len(batch) >= _BATCH_ITEMS:  # full: it goes now, this one opens the next
-                    lost = self._send_batch_locked()  # (the flush already scheduled sends that)
-                    self._batch = batch = []
-                    self._batch_key = key
-                batch.append(item)
-                if key != self._batch_key:
-                    self._batch_key = None
+                if not self._runtime.call_soon_anywhere(self._flush_batch):
+                    return False  # the loop is closed: the send reports it
+                self._batch = [item]
+                self._batch_key = key
                 return True
+            lost = self._send_batch_locked()
+            if item is None:
+                return False
+            self._batch = [item]  # the full batch went: this one opens the next (the flush scheduled sends it)
+            self._batch_key = key
+            return True
         finally:
-            self._fail_lost(lost)
+            lock.release()
+            if lost:
+                self._fail_lost(lost)
 
     def _unbatch_locked(self) -> None:
         """The connection is going: the batch's messages wait at the head of the queue,
