@@ -208,6 +208,10 @@ class Stats(NamedTuple):
     reply: PortRef
 
 
+#: The kinds a busy route sends together in a :class:`Batch`: the hot path's two.
+BATCHED = frozenset({CALL, REPLY})
+
+
 class Batch(NamedTuple):
     """Small calls and replies on one route, sent together while its connection is busy
     (see _routes.Route): ``items`` are ``(wire tuple, payload bytes or None)`` in send order."""

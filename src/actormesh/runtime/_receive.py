@@ -37,7 +37,7 @@ Envelope = Any  # a Message of any kind: code here branches on its .kind, which 
 _SEQUENCED = frozenset({M.CALL, M.STOP_ACTOR})
 _decode = M.decode
 _from_wire = M.from_wire
-_BATCHED = frozenset({M.CALL, M.REPLY})
+_BATCHED = M.BATCHED
 
 
 class Receiving(Verbs):

@@ -47,8 +47,7 @@ def order_key(env: Any) -> Any:
 
 
 _dumps = pickle.dumps
-#: The kinds a busy route sends together (see Route._coalesce): the hot path's two.
-_BATCHED = frozenset({M.CALL, M.REPLY})
+_BATCHED = M.BATCHED  # the kinds a busy route sends together (see Route._coalesce)
 #: A message joins a batch only with at most one payload segment of this many bytes.
 _ITEM_BYTES = 16 << 10
 #: A batch holds at most this many messages (its frame stays small).
