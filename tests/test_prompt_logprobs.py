@@ -86,3 +86,43 @@ def test_prompt_scores_come_before_scored_tokens_and_complete_skips_them(llama: 
 def test_prompt_logprobs_out_of_range_is_refused(value: Any) -> None:
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+class NoScores:
+    """A backend that samples but cannot score prompts (a user's own EngineBackend)."""
+
+    max_context = 64
+    vocab_size = 128
+
+    def run(self, plan: Any) -> list[int]:
+        return [7] * len(plan.slots)
+
+    def idle(self) -> None:
+        pass
+
+    def swap(self, weights: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_backend_that_cannot_score_refuses_at_the_call_and_serves_on() -> None:
+    with LLMEngine(backend=NoScores(), max_slots=2) as engine:
+        with pytest.raises(ValueError, match="does not score prompts"):
+            engine.generate([1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1))
+        assert asyncio.run(stream(engine, [1, 2, 3], SamplingParams(max_tokens=2))) == [7, 7]
+
+
+def test_a_step_without_the_scores_it_asked_for_fails_that_request_only() -> None:
+    from actormesh.serve._scheduler import Request, Scheduler
+
+    sched = Scheduler(max_slots=2, max_context=64, seed=0)
+    got: dict[str, list[Any]] = {"a": [], "b": []}
+    sched.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=0), got["a"].append))
+    sched.add(Request("b", [4, 5], SamplingParams(max_tokens=2), got["b"].append))
+    plan = sched.plan()
+    assert plan is not None and plan.prompt_logprobs == {0: 0}
+    events = sched.commit(plan, [9, 9], prompts=None)
+    assert [(r.id, type(e.error).__name__ if e.error else e.token) for r, e in events] == [("a", "RuntimeError"), ("b", 9)]
+    assert list(sched.running) != [] and all(r.id == "b" for r in sched.running.values())

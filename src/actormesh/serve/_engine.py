@@ -97,6 +97,15 @@ class LLMEngine:
 
     # ----------------------------------------------------------- callers' side
 
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints; ValueError naming the problem if this engine cannot run it
+        (see ``check_prompt``; also a prompt to score on a backend that cannot score prompts)."""
+        ids = check_prompt(list(prompt_ids), params, self.max_context, self.backend.vocab_size)
+        if params.prompt_logprobs is not None and not hasattr(self.backend, "last_prompt_logprobs"):
+            raise ValueError(f"prompt_logprobs: this engine's backend ({type(self.backend).__name__}) does not score "
+                             "prompts (it has no last_prompt_logprobs); drop prompt_logprobs")
+        return ids
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[Event], None],
                request_id: str | None = None) -> str:
         """Queue a request; ``sink`` (called on the engine thread) gets its events. Returns its id.
@@ -104,7 +113,7 @@ class LLMEngine:
         Raises ValueError for a prompt that is empty, out of vocabulary or over
         ``max_context`` (with ``max_tokens``), EngineClosedError after close.
         """
-        ids = check_prompt(list(prompt_ids), params, self.max_context, self.backend.vocab_size)
+        ids = self.check(prompt_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._post("add", Request(rid, ids, params, sink))
         return rid
@@ -115,7 +124,7 @@ class LLMEngine:
         Validates every prompt first and raises ValueError for the first bad
         one (then none is queued), EngineClosedError after close.
         """
-        checked = [Request(rid, check_prompt(list(ids), params, self.max_context, self.backend.vocab_size), params, sink)
+        checked = [Request(rid, self.check(ids, params), params, sink)
                    for rid, ids, params, sink in requests]
         self._post_all([("add", req) for req in checked])
 
@@ -132,7 +141,7 @@ class LLMEngine:
         request starts when the iterator is first awaited. Closing it early
         (``aclose()``, breaking out and dropping it) cancels the request.
         """
-        ids = check_prompt(list(prompt_ids), params, self.max_context, self.backend.vocab_size)
+        ids = self.check(prompt_ids, params)
         return self._stream(ids, params)
 
     async def _stream(self, ids: list[int], params: SamplingParams) -> AsyncIterator[int]:
@@ -190,7 +199,7 @@ class LLMEngine:
             return sink
 
         for i, p in enumerate(prompts):  # validate all before starting any
-            check_prompt(list(p), per[i], self.max_context, self.backend.vocab_size)
+            self.check(p, per[i])
         rids = [self.submit(p, per[i], sink_for(i)) for i, p in enumerate(prompts)]
         deadline = _Deadline(timeout_s)
         for _ in rids:

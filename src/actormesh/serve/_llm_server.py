@@ -33,7 +33,7 @@ from ..parallel import Plan, PublishedWeights, StepPlan, check_weights
 from ..runtime import Actor, Port, concurrent_endpoint, endpoint
 from ._engine import LLMEngine
 from ._llm_replica import _Replica, _ReplicaBackend, _seeded_weights
-from ._scheduler import Event, check_prompt
+from ._scheduler import Event
 from ._types import SamplingParams
 
 __all__ = ["LLMServer", "spawn_llm_server"]
@@ -158,7 +158,7 @@ class LLMServer(Actor):
         refused: list[tuple[str, str, BaseException]] = []
         for (rid, ids, params), sink, fut in zip(requests, sinks, done):
             try:
-                check_prompt(list(ids), params, engine.max_context, engine.backend.vocab_size)
+                engine.check(ids, params)
                 good.append((rid, ids, params, sink))
             except ValueError as exc:  # this request only
                 refused.append((rid, "failed", exc))

@@ -152,7 +152,13 @@ class Scheduler:
         for row, (slot, fed, start, token) in enumerate(zip(plan.slots, plan.tokens, plan.starts, tokens)):
             req = self.running[slot]
             if row in plan.prompt_logprobs:
-                events.append((req, Event(prompt=_scored_prompt(fed, (prompts or {}).get(row)))))
+                scores = (prompts or {}).get(row)
+                if scores is None:  # a backend that cannot score prompts: this request fails, not the engine
+                    self._retire(req)
+                    events.append((req, Event(error=RuntimeError("the engine's backend gave no scores for a prompt "
+                                                                 "that asked for them (SamplingParams.prompt_logprobs)"))))
+                    continue
+                events.append((req, Event(prompt=_scored_prompt(fed, scores))))
             req.position = start + len(fed)
             if token in req.params.stop_token_ids:
                 self._retire(req)
@@ -185,8 +191,6 @@ class Scheduler:
 def _scored_prompt(prompt: list[int], scores: Any) -> PromptLogprobs:
     """A prompt and its scores (``_prompt_scores.RowScores``) as the event carries them: the first
     token has no log-probability (nothing comes before it)."""
-    if scores is None:
-        raise RuntimeError("the backend gave no prompt scores for a row that asked for them")
     chosen, tops = scores
     out: list[PromptToken] = [(prompt[0], None, ())]
     for i, token in enumerate(prompt[1:]):
