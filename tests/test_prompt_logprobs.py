@@ -114,6 +114,18 @@ def test_a_backend_that_cannot_score_refuses_at_the_call_and_serves_on() -> None
         assert asyncio.run(stream(engine, [1, 2, 3], SamplingParams(max_tokens=2))) == [7, 7]
 
 
+def test_a_prompt_whose_logits_would_not_fit_is_refused_at_the_call(monkeypatch: pytest.MonkeyPatch,
+                                                                     llama: tuple[Any, Any]) -> None:
+    from actormesh.serve import _engine
+
+    monkeypatch.setattr(_engine, "MAX_PROMPT_SCORE_BYTES", 4 * 128 * 6)  # 6 positions of a 128-token vocabulary
+    with LLMEngine(llama[1], max_slots=1) as engine:
+        with pytest.raises(ValueError, match="7 tokens over a vocabulary of 128"):
+            engine.generate(PROMPTS[2], SamplingParams(prompt_logprobs=0))
+        assert isinstance(asyncio.run(stream(engine, PROMPTS[0], SamplingParams(max_tokens=1, prompt_logprobs=0)))[0],
+                          PromptLogprobs)
+
+
 def test_a_step_without_the_scores_it_asked_for_fails_that_request_only() -> None:
     from actormesh.serve._scheduler import Request, Scheduler
 

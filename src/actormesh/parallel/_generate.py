@@ -68,13 +68,13 @@ class StepPlan:
     prompt_logprobs: dict[int, int] = field(default_factory=dict)
 
     def groups(self) -> list[list[int]]:
-        """Row indices of the prefill pass (new prompts), of the prefill pass that scores its
-        prompts (it keeps every position's logits), and of the decode pass (one token each)."""
+        """Row indices of the prefill pass (new prompts), of one pass per prompt to score (it keeps
+        every position's logits, so one at a time bounds them), and of the decode pass (one token each)."""
         scored = self.prompt_logprobs
         prefill = [i for i, s in enumerate(self.starts) if s == 0 and i not in scored]
-        scoring = [i for i, s in enumerate(self.starts) if s == 0 and i in scored]
+        scoring = [[i] for i, s in enumerate(self.starts) if s == 0 and i in scored]
         decode = [i for i, s in enumerate(self.starts) if s != 0]
-        return [g for g in (prefill, scoring, decode) if g]
+        return [g for g in (prefill, *scoring, decode) if g]
 
 
 def sample_token(logits: Any, temperature: float, top_k: int, top_p: float, generator: Any) -> int:

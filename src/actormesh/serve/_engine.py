@@ -28,6 +28,10 @@ from ._types import SamplingParams
 
 __all__ = ["LLMEngine", "EngineClosedError"]
 
+#: The most logits one scored prompt may hold at once (float32, prompt x vocabulary): its pass
+#: keeps every position's, unchunked (see actormesh.parallel._prompt_scores).
+MAX_PROMPT_SCORE_BYTES = 2 << 30
+
 
 
 def _item(event: Event) -> Any:
@@ -101,9 +105,15 @@ class LLMEngine:
         """The prompt as a list of ints; ValueError naming the problem if this engine cannot run it
         (see ``check_prompt``; also a prompt to score on a backend that cannot score prompts)."""
         ids = check_prompt(list(prompt_ids), params, self.max_context, self.backend.vocab_size)
-        if params.prompt_logprobs is not None and not hasattr(self.backend, "last_prompt_logprobs"):
-            raise ValueError(f"prompt_logprobs: this engine's backend ({type(self.backend).__name__}) does not score "
-                             "prompts (it has no last_prompt_logprobs); drop prompt_logprobs")
+        if params.prompt_logprobs is not None:
+            if not hasattr(self.backend, "last_prompt_logprobs"):
+                raise ValueError(f"prompt_logprobs: this engine's backend ({type(self.backend).__name__}) does not "
+                                 "score prompts (it has no last_prompt_logprobs); drop prompt_logprobs")
+            vocab = self.backend.vocab_size
+            if vocab is not None and len(ids) * vocab * 4 > MAX_PROMPT_SCORE_BYTES:
+                raise ValueError(f"prompt_logprobs: scoring a prompt of {len(ids)} tokens over a vocabulary of {vocab} "
+                                 f"holds {len(ids) * vocab * 4 / 2**30:.1f} GiB of logits at once (at most "
+                                 f"{MAX_PROMPT_SCORE_BYTES / 2**30:.0f} GiB); score a shorter prompt")
         return ids
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[Event], None],
