@@ -89,7 +89,7 @@ def _add_completions(app: FastAPI, state: OpenAIApp) -> None:
             echoed: set[int] = set()
 
             def chunk(p: Piece) -> dict[str, Any]:
-                text = prompt_text = ""
+                prompt_text = ""
                 if req.echo and p.index not in echoed:  # a choice's first chunk starts with its prompt
                     echoed.add(p.index)
                     prompt_text = state.tokenizer.decode(prompts[p.index // req.n], skip_special_tokens=True)

@@ -149,13 +149,8 @@ def _score(decoder: TextDecoder, token: int, logprob: float | None, top: Sequenc
     return decoder.token_bytes(token), logprob, tuple((decoder.token_bytes(t), lp) for t, lp in top)
 
 
-async def run_sequence(
-    generator: TokenGenerator,
-    index: int,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    decoder: TextDecoder,
-) -> AsyncIterator[Piece]:
+async def run_sequence(generator: TokenGenerator, index: int, prompt_ids: list[int], params: SamplingParams,
+                       decoder: TextDecoder) -> AsyncIterator[Piece]:
     """Generate one choice: pieces of final text, then a last piece with the reason.
 
     The reason is ``"stop"`` when a stop token or stop string ended it (or the
@@ -171,12 +166,13 @@ async def run_sequence(
     stop_ids = set(params.stop_token_ids)
     want = params.logprobs
     scored: list[TokenScore] = []  # tokens not yet in a piece, with their log-probabilities
-    prompt: list[tuple[TokenScore, ...] | None] = [None]  # the scored prompt, until a piece carries it
+    prompt: tuple[TokenScore, ...] | None = None  # the scored prompt, until a piece carries it
 
     def piece(text: str, finish_reason: str | None) -> Piece:  # takes the scores gathered so far
-        out = Piece(index, text, finish_reason, count, tuple(scored), prompt[0])
+        nonlocal prompt
+        out = Piece(index, text, finish_reason, count, tuple(scored), prompt)
         scored.clear()
-        prompt[0] = None
+        prompt = None
         return out
 
     try:
@@ -184,7 +180,7 @@ async def run_sequence(
             if finish is not None:
                 break  # past its end: close it
             if type(item) is PromptLogprobs:
-                prompt[0] = tuple(_score(decoder, *t) for t in item.tokens)
+                prompt = tuple(_score(decoder, *t) for t in item.tokens)
                 continue
             count += 1
             # With logprobs, generators yield (token id, log-probability[, top tokens]).
