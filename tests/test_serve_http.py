@@ -236,6 +236,33 @@ def test_context_overflow_is_400(client: openai.OpenAI, gen: ScriptedGenerator) 
     assert gen.calls == []
 
 
+def test_input_no_engine_could_take_is_400_before_it_runs(http: httpx.Client, gen: ScriptedGenerator) -> None:
+    # JSON's "\ud800" escape is a lone surrogate: no tokenizer takes it (it was a 500).
+    raw = json.dumps({"model": MODEL, "prompt": ["ok", "\ud800"]})
+    resp = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "prompt" and "Unicode" in error_of(resp)["message"]
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a\udfff"}]})
+    resp = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "messages.0.content"
+    # A seed past a 64-bit generator's range (it failed the engine's step: a 500).
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "seed": 2**70})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "seed"
+    with pytest.raises(ValueError, match="seed must be None or an int"):
+        SamplingParams(seed=2**64)
+    # More sequences than the generator ever holds at once: a 400, not a 429 no retry could cure.
+    gen.max_sequences = 4  # type: ignore[attr-defined]
+    try:
+        resp = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
+        assert resp.status_code == 400 and error_of(resp)["param"] == "n"
+        assert "6 sequences" in error_of(resp)["message"] and "at most 4" in error_of(resp)["message"]
+        assert "retry-after" not in resp.headers
+        assert gen.calls == []
+        resp = http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 4
+    finally:
+        del gen.max_sequences  # type: ignore[attr-defined]
+
+
 def test_unknown_model_is_404(client: openai.OpenAI, gen: ScriptedGenerator) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-5", prompt="hello")

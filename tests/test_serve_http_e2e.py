@@ -144,3 +144,11 @@ def test_command_line(model_dir: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_a_request_larger_than_the_server_is_400(client: openai.OpenAI, deployment: Any) -> None:
+    limit = deployment.llm.max_sequences
+    assert limit == MAX_SLOTS + 64  # one replica: its batch slots and its queue (Service's default max_queue)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=["a"] * (limit // 16 + 1), n=16, max_tokens=1)
+    assert info.value.param == "n" and f"at most {limit}" in info.value.message

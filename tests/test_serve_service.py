@@ -228,6 +228,7 @@ def test_overload_is_refused_at_once_and_queues_drain(tmp_path):
     try:
         svc.ready().get(timeout=60)
         admitted = [svc.wait.route(i) for i in range(6)]  # 2 replicas x (1 running + 2 queued)
+        assert svc.capacity() == 6
         m = svc.metrics()
         assert (m.in_flight, m.queued) == (2, 4)
         assert [(r.in_flight, r.queued) for r in m.replicas] == [(1, 2), (1, 2)], "least-loaded spreads the load"
@@ -281,6 +282,7 @@ def test_scale_up_and_down_drains_before_stopping(tmp_path):
         wait_for(lambda: svc.metrics().in_flight == 6)
         shrink = svc.scale(1)
         assert [r.state for r in svc.replicas()] == ["healthy", "draining", "draining"]
+        assert svc.capacity() == 12, "replicas draining away do not count"
         assert not shrink.done(), "draining replicas wait for their requests in flight"
         flag.write_text("go")
         assert [f.get(timeout=GET_S) for f in in_flight] == list(range(6)), "drained requests completed"

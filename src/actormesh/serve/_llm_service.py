@@ -222,6 +222,11 @@ class LLMService:
         """``(slot, incarnation) -> error`` for replicas whose ``setup()`` failed."""
         return dict(self._failed)
 
+    @property
+    def max_sequences(self) -> int:
+        """The most requests (sequences) it holds at once, running and queued (``Service.capacity``)."""
+        return self.service.capacity()
+
     def healthy(self) -> bool:
         """Whether at least one replica is healthy and set up (for ``GET /health``)."""
         return any(

@@ -119,6 +119,11 @@ class Endpoint:
     def streams(
         self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_tokens: int
     ) -> AsyncIterator[Piece]:
+        total, limit = len(prompts) * req.n, getattr(self.app.generator, "max_sequences", None)
+        if isinstance(limit, int) and 0 < limit < total:
+            raise OpenAIError(400, f"this request asks for {total} sequences ({len(prompts)} prompt(s), n={req.n}) and this "
+                              f"server holds at most {limit} at once, so it could never run whole; send fewer prompts "
+                              "per request or a smaller n", param="n" if req.n > 1 else "prompt", code=None)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         runs = []
         for p, ids in enumerate(prompts):

@@ -17,6 +17,17 @@ from ._openai_errors import OpenAIError
 from ._openai_schema import ChatMessage, CompletionRequest
 
 
+def checked_text(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode; a 400 naming ``param`` for one the tokenizer cannot take
+    (JSON's ``\\ud800`` escape decodes to a lone surrogate, which no UTF-8 encoder accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OpenAIError(400, f"{param} is not valid Unicode text: {exc.reason} ({text[exc.start:exc.end]!r} at "
+                          f"character {exc.start}); send each character whole", param=param) from None
+    return text
+
+
 def render_chat_fallback(messages: list[dict[str, str]]) -> str:
     """The documented plain rendering used when the tokenizer has no chat template."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
@@ -43,7 +54,7 @@ class PromptBuilder:
             raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
         prompts = []
         for item in items:
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            ids = self.tokenizer.encode(checked_text(item, "prompt")) if isinstance(item, str) else list(item)
             if not ids:
                 raise OpenAIError(400, "prompt must not be empty", param="prompt")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -56,7 +67,7 @@ class PromptBuilder:
 
     def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of a conversation followed by an open assistant turn."""
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        plain = [{"role": m.role, "content": checked_text(m.text(), f"messages.{i}.content")} for i, m in enumerate(messages)]
         if getattr(self.tokenizer, "chat_template", None):
             try:
                 text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)

@@ -39,7 +39,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    #: vLLM's range (a signed 64-bit int): the ``n`` choices of a request draw with ``seed + i``
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     user: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -33,7 +33,7 @@ from ..mesh import this_host, this_proc
 from ..runtime import Actor, Future, endpoints_of
 from ._core import ServiceCore
 from ._metrics import ServiceMetrics
-from ._replica import ServiceOwner, register_core, unregister_core
+from ._replica import DRAINING, STOPPED, ServiceOwner, register_core, unregister_core
 from ..runtime import gather
 from ._request import ServiceSpec
 from ._router import Router, make_router
@@ -204,6 +204,14 @@ class Service(Generic[T]):
         left alone. Returns False when that incarnation is not healthy (already gone)."""
         _check_int("slot", slot, 0)
         return self._core.restart(slot, generation, reason)
+
+    def capacity(self) -> int:
+        """How many requests the service takes at once before ``ServiceOverloaded``:
+        ``max_concurrency + max_queue`` for each replica it keeps (one draining away
+        after ``scale`` does not count). A batch of more can never be in it whole."""
+        spec = self._core.spec
+        kept = sum(1 for r in self._core.replicas() if r.state not in (DRAINING, STOPPED))
+        return kept * (spec.max_concurrency + spec.max_queue)
 
     def replicas(self) -> list[ReplicaInfo]:
         """A snapshot of every replica slot (state, incarnation, mesh while up)."""

@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 
 #: the most alternatives per position a request may ask for (OpenAI's chat limit)
 MAX_TOP_LOGPROBS = 20
+#: the seeds a torch generator takes (``manual_seed``): a 64-bit int, signed or not
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_k < 0:
@@ -90,7 +95,12 @@ class PromptLogprobs:
 
 @runtime_checkable
 class TokenGenerator(Protocol):
-    """Anything that turns prompts into streams of token ids."""
+    """Anything that turns prompts into streams of token ids.
+
+    Optional: an int attribute ``max_sequences``, the most requests it holds at once
+    (running and queued); the HTTP server refuses a request of more sequences with a
+    400 instead of a 429 that no retry could cure (``LLMService`` has it).
+    """
 
     #: the longest prompt + max_tokens the model accepts
     max_context: int
