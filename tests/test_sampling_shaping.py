@@ -51,10 +51,38 @@ def test_logit_bias_and_a_new_request_in_the_slot_starts_clean() -> None:
     ({"frequency_penalty": "1"}, "frequency_penalty"),
     ({"logit_bias": {-1: 1.0}}, "token ids"),
     ({"logit_bias": {3: 200}}, r"\[-100, 100\]"),
+    ({"logit_bias": [3]}, "mapping"),
+    # each of these, once in a batch, failed the step of every request beside it, or the engine
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"top_k": 1.5}, "top_k must be an int"),
+    ({"stop_token_ids": "ab"}, "stop_token_ids must be a sequence"),
+    ({"stop_token_ids": [1, -2]}, "stop_token_ids entries"),
+    ({"max_tokens": True}, "max_tokens must be an int"),
+    ({"logprobs": "yes"}, "logprobs must be True or False"),
+    ({"seed": 2**64}, "seed must be None or an int"),
+    ({"seed": 1.0}, "seed must be None or an int"),
 ])
 def test_bad_values_are_refused(kwargs: dict[str, Any], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         SamplingParams(**kwargs)
+
+
+def test_stop_ids_of_any_sequence_are_kept_as_a_tuple() -> None:
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=range(2)).stop_token_ids == (0, 1)
+
+
+def test_a_temperature_too_small_to_divide_by_picks_greedily_beside_other_requests() -> None:
+    from test_generate import PROMPTS, hf_pair
+
+    _, model = hf_pair()
+    greedy = SamplingParams(max_tokens=6)
+    tiny = [SamplingParams(max_tokens=6, temperature=t, top_p=0.5, seed=1) for t in (1e-45, 1e-6)]
+    with LLMEngine(model, max_slots=4, seed=0) as eng:
+        # logits / 1e-45 overflow to inf, and softmax of them is NaN: the step failed for every row
+        out = eng.complete([PROMPTS[0]] * 3, [greedy, *tiny])
+    assert out[1] == out[2] == out[0]
 
 
 def test_an_engine_applies_them_and_reports_the_models_own_logprobs() -> None:

@@ -77,15 +77,19 @@ class StepPlan:
         return [g for g in (prefill, *scoring, decode) if g]
 
 
+#: a temperature below this picks greedily (vLLM's rule): dividing the logits by it would overflow them
+GREEDY_BELOW = 1e-5
+
+
 def sample_token(logits: Any, temperature: float, top_k: int, top_p: float, generator: Any) -> int:
     """Draw one token id from ``logits[vocab]``: temperature, then top-k, then nucleus (top-p) filtering.
 
-    ``temperature == 0`` is greedy (argmax). Top-p keeps the most probable
+    ``temperature < GREEDY_BELOW`` (0 too) is greedy (argmax). Top-p keeps the most probable
     tokens whose cumulative probability reaches ``top_p`` (always at least one).
     """
     import torch
 
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return int(logits.argmax())
     scores = logits.float() / temperature
     if 0 < top_k < scores.numel():
@@ -158,7 +162,7 @@ class Sampler:
             slot = plan.slots[row]
             shaped = slot in self.shaping
             row_logits = self._shaped(logits[j], slot) if shaped else logits[j]
-            if temperature == 0:
+            if temperature < GREEDY_BELOW:
                 tok = int(row_logits.argmax()) if shaped else int(greedy[j])
             else:
                 tok = sample_token(row_logits, temperature, top_k, top_p, self.generators[slot])

@@ -8,7 +8,9 @@ consumer going away) cancels the request and frees its batch slot.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import math
+import numbers
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -21,7 +23,7 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick new tokens. ``temperature == 0`` means greedy.
+    """How to pick new tokens. ``temperature == 0`` (or below 1e-5, as in vLLM) means greedy.
 
     Example::
 
@@ -51,33 +53,53 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        # Each value is checked here because one request's bad value, once in a batch, would
+        # fail the step of every request beside it (NaN temperature) or the engine (a str of stop ids).
+        _int("max_tokens", self.max_tokens, 1)
+        if self.seed is not None:
+            _int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1], "None or ")
+        if not _real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
+        _int("top_k", self.top_k, 0, None, "", " (0 turns it off)")
+        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        stops = tuple(self.stop_token_ids)
+        for token in stops:
+            _int("stop_token_ids entries", token, 0)
+        object.__setattr__(self, "stop_token_ids", stops)  # frozen: a tuple, whatever sequence was given
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
+        _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=True")
-        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
-                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS, "None or ")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+            if not _real(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+            if not _real(bias) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+
+
+def _real(value: object) -> bool:
+    """A real number that is not a bool (NaN passes here; the range checks refuse it)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _int(name: str, value: object, low: int, high: int | None = None, prefix: str = "", note: str = "") -> None:
+    """ValueError unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not ok or not low <= int(value) or (high is not None and int(value) > high):  # type: ignore[call-overload]
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {prefix}an int {bound}{note}, got {value!r}")
 
 
 #: One prompt token scored: its id, its log-probability given the tokens before it (None for
