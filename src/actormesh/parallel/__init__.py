@@ -27,7 +27,8 @@ Importing this package does not import torch (``actormesh.parallel.models`` does
 
 from ._apply import parallelize_chunk, world_mesh
 from ._auto import AutoPlan, auto_plan
-from ._generate import Sampler, Shaping, StageLinks, StepPlan, StepRunner, sample_token
+from ._generate import StageLinks, StepPlan, StepRunner
+from ._sampling import Sampler, Shaping, sample_token
 from ._kv_cache import KVCache
 from ._partition import LayerCost, partition
 from ._pipeline import check_stages, equal_stages
