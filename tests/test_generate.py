@@ -152,7 +152,7 @@ def test_kv_cache_matches_full_recompute_for_the_builtin_gpt() -> None:
 def test_step_runner_writes_each_slot_at_its_own_positions(llama: tuple[Any, Any]) -> None:
     hf, model = llama
     runner = StepRunner(model, KVCache(max_slots=3, max_len=32), torch.device("cpu"))
-    greedy = (0.0, 0, 1.0)
+    greedy = (0.0, 0, 1.0, 0.0)
     # slot 2 prefills while slot 0 (prefilled one step earlier) decodes
     first = runner.run(StepPlan(slots=[0], tokens=[PROMPTS[0]], starts=[0], sampling=[greedy]))
     both = runner.run(StepPlan(slots=[0, 2], tokens=[first, PROMPTS[1]], starts=[5, 0], sampling=[greedy, greedy]))

@@ -164,6 +164,22 @@ def test_chat(client: openai.OpenAI, gen: ScriptedGenerator, tokenizer: Any) -> 
     assert params.seed == 3
 
 
+def test_vllm_sampling_extensions_reach_the_generator(client: openai.OpenAI, gen: ScriptedGenerator,
+                                                      tokenizer: Any, http: httpx.Client) -> None:
+    extra = {"min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [7, 9], "top_k": 5}
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=extra)
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={**extra, "ignore_eos": True})
+    (_, chat), (_, completion) = gen.calls
+    assert (chat.min_p, chat.repetition_penalty, chat.min_tokens, chat.top_k) == (0.1, 1.2, 2, 5)
+    assert chat.stop_token_ids == (tokenizer.eos_token_id, 7, 9)  # beside EOS, as in vLLM
+    assert completion.stop_token_ids == (7, 9)  # ignore_eos drops EOS only
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "min_tokens"
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "repetition_penalty": 0})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "repetition_penalty"
+    assert len(gen.calls) == 2
+
+
 def test_chat_stream(client: openai.OpenAI, gen: ScriptedGenerator, tokenizer: Any) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6, stream=True

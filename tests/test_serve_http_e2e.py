@@ -66,6 +66,14 @@ def test_greedy_completion_is_hf_generate(client: openai.OpenAI, model_dir: Path
     got = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10, temperature=0)
     assert got.choices[0].text == tok.decode(want, skip_special_tokens=True)
     assert got.usage is not None and got.usage.completion_tokens == len(want)
+    # vLLM's repetition_penalty (in extra_body) is HF's too, through the whole stack
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, repetition_penalty=1.8)
+    penalized = out[0, len(prompt):].tolist()
+    got = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10, temperature=0,
+                                    extra_body={"repetition_penalty": 1.8})
+    assert got.choices[0].text == tok.decode(penalized, skip_special_tokens=True) and penalized != want
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(client: openai.OpenAI, model_dir: Path) -> None:

@@ -37,7 +37,7 @@ class StepPlan:
     followers' waits short), ``"swap"`` (install staged weights) or ``"stop"``.
     Row ``i`` feeds ``tokens[i]`` into slot ``slots[i]`` starting at position
     ``starts[i]`` (0 for a prompt) and picks its next token with
-    ``sampling[i] = (temperature, top_k, top_p)``; ``seeds`` gives the sampling
+    ``sampling[i] = (temperature, top_k, top_p, min_p)``; ``seeds`` gives the sampling
     seed of each slot whose request starts in this step, ``shaping`` the
     penalties and logit bias of those that have them (:class:`Shaping`);
     ``version`` names the staged weights a ``"swap"`` installs.
@@ -47,7 +47,7 @@ class StepPlan:
     slots: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
-    sampling: list[tuple[float, int, float]] = field(default_factory=list)
+    sampling: list[tuple[float, int, float, float]] = field(default_factory=list)
     seeds: dict[int, int] = field(default_factory=dict)
     shaping: dict[int, Shaping] = field(default_factory=dict)
     version: int = 0  #: for "swap": which staged weights to install

@@ -108,7 +108,10 @@ class Endpoint:
             top_k=req.top_k or 0,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed,
-            stop_token_ids=() if req.ignore_eos else self.app.stop_token_ids,
+            stop_token_ids=(() if req.ignore_eos else self.app.stop_token_ids) + tuple(req.stop_token_ids or ()),
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_tokens=req.min_tokens,
             logprobs=wants_logprobs(req),
             top_logprobs=top_logprobs(req),
             presence_penalty=req.presence_penalty or 0.0,
@@ -124,12 +127,17 @@ class Endpoint:
             raise OpenAIError(400, f"this request asks for {total} sequences ({len(prompts)} prompt(s), n={req.n}) and this "
                               f"server holds at most {limit} at once, so it could never run whole; send fewer prompts "
                               "per request or a smaller n", param="n" if req.n > 1 else "prompt", code=None)
+        try:
+            params = [self.params(req, max_tokens, j) for j in range(req.n)]
+        except ValueError as exc:  # values each valid alone that do not fit together (min_tokens > max_tokens)
+            field = str(exc).split(" ", 1)[0]
+            raise OpenAIError(400, str(exc), param=field if field in type(req).model_fields else None, code=None) from None
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         runs = []
         for p, ids in enumerate(prompts):
             for j in range(req.n):
                 decoder = TextDecoder(self.app.tokenizer, stops)
-                runs.append(run_sequence(self.app.generator, p * req.n + j, ids, self.params(req, max_tokens, j), decoder))
+                runs.append(run_sequence(self.app.generator, p * req.n + j, ids, params[j], decoder))
         return merge(runs)
 
     async def first(self, request: Request, pieces: AsyncIterator[Piece], start: float) -> Piece:

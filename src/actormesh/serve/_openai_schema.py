@@ -2,7 +2,9 @@
 
 Only requests are modelled: responses are plain dicts built in ``_openai``
 (the official client parses them). Fields are those of OpenAI's API reference;
-``top_k`` and ``ignore_eos`` are extensions (as in vLLM). Fields that OpenAI defines but this
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids`` and
+``ignore_eos`` are extensions, with vLLM's names and meanings (the ``openai`` client sends
+them in ``extra_body``). Fields that OpenAI defines but this
 server does not implement (tools, suffix, best_of other than n) are accepted by the
 schema only so that
 :func:`unsupported_fields` can answer them with a 400 that names the field,
@@ -35,6 +37,10 @@ class _Common(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool = False  #: extension (as in vLLM): generate past the EOS token, e.g. for benchmarks
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  #: extension (vLLM)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)  #: extension (vLLM)
+    min_tokens: int = Field(default=0, ge=0)  #: extension (vLLM): no stop token before this many
+    stop_token_ids: list[int] | None = None  #: extension (vLLM): token ids that end a choice, beside EOS
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None

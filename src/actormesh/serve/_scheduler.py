@@ -52,12 +52,15 @@ class Request:
     pending: int | None = None  #: the last sampled token, fed at the next step
 
 
-def shaping_of(params: SamplingParams) -> Shaping | None:
+def shaping_of(params: SamplingParams, prompt: list[int]) -> Shaping | None:
     """The logit shaping a request asks for (None: none, the common case, which costs nothing)."""
-    if not (params.presence_penalty or params.frequency_penalty or params.logit_bias):
+    repeat = params.repetition_penalty != 1.0
+    banned = tuple(int(t) for t in params.stop_token_ids) if params.min_tokens else ()
+    if not (params.presence_penalty or params.frequency_penalty or params.logit_bias or repeat or banned):
         return None
     bias = tuple(sorted((int(t), float(b)) for t, b in (params.logit_bias or {}).items()))
-    return Shaping(float(params.presence_penalty), float(params.frequency_penalty), bias)
+    return Shaping(float(params.presence_penalty), float(params.frequency_penalty), bias, float(params.repetition_penalty),
+                   tuple(prompt) if repeat else (), int(params.min_tokens), banned)
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int, vocab_size: int | None = None) -> list[int]:
@@ -128,7 +131,7 @@ class Scheduler:
             self.running[req.slot] = req
             seed = req.params.seed if req.params.seed is not None else self._seeds.getrandbits(63)
             plan.seeds[req.slot] = seed
-            shaping = shaping_of(req.params)
+            shaping = shaping_of(req.params, req.prompt)
             if shaping is not None:
                 plan.shaping[req.slot] = shaping
         for slot, req in sorted(self.running.items()):  # by slot: consecutive slots read the cache without a copy
@@ -136,7 +139,7 @@ class Scheduler:
             plan.tokens.append(list(req.prompt) if req.position == 0 else [req.pending])  # type: ignore[list-item]
             plan.starts.append(req.position)
             p = req.params
-            plan.sampling.append((float(p.temperature), int(p.top_k), float(p.top_p)))
+            plan.sampling.append((float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p)))
             plan.logprobs = plan.logprobs or p.logprobs
             plan.top_logprobs = max(plan.top_logprobs, p.top_logprobs)
             if req.position == 0 and p.prompt_logprobs is not None:

@@ -51,6 +51,13 @@ class SamplingParams:
     #: before it and, at each position, this many most probable tokens; None: not scored.
     #: Generators then yield one :class:`PromptLogprobs` before the first token.
     prompt_logprobs: int | None = None
+    #: vLLM's: drop the tokens less probable than this times the most probable one (0: off)
+    min_p: float = 0.0
+    #: vLLM's (HF's rule): every token of the prompt or generated so far has a positive logit
+    #: divided by it and a negative one multiplied; > 1 discourages repeats (1: off)
+    repetition_penalty: float = 1.0
+    #: vLLM's: none of ``stop_token_ids`` is picked before this many new tokens
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Each value is checked here because one request's bad value, once in a batch, would
@@ -76,6 +83,11 @@ class SamplingParams:
             raise ValueError("top_logprobs needs logprobs=True")
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS, "None or ")
+        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 turns it off), got {self.min_p!r}")
+        if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 turns it off), got {self.repetition_penalty!r}")
+        _int("min_tokens", self.min_tokens, 0, self.max_tokens, "", " (at most max_tokens)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _real(value) or not -2.0 <= value <= 2.0:
