@@ -295,6 +295,25 @@ def test_scale_up_and_down_drains_before_stopping(tmp_path):
         svc.stop().get(timeout=60)
 
 
+def test_a_new_replica_takes_the_backlog_queued_elsewhere_but_not_a_sessions(tmp_path):
+    flag = tmp_path / "open"
+    svc = Service(1, 1, FileGate, str(flag), max_concurrency=1, max_queue=8)
+    try:
+        svc.ready().get(timeout=60)
+        with svc.session():
+            bound = [svc.wait.route(i) for i in range(2)]  # bound to replica 0 by the session
+        free = [svc.wait.route(i) for i in range(2, 4)]
+        wait_for(lambda: svc.metrics().queued == 3)
+        svc.scale(3).get(timeout=60)
+        # each new replica took one request that may run anywhere; the session's stays on replica 0
+        wait_for(lambda: [(r.in_flight, r.queued) for r in svc.metrics().replicas] == [(1, 1), (1, 0), (1, 0)])
+        flag.write_text("go")
+        assert [f.get(timeout=GET_S) for f in bound + free] == [0, 1, 2, 3]
+    finally:
+        flag.write_text("go")
+        svc.stop().get(timeout=60)
+
+
 def test_multi_proc_replica_rank0_by_default_or_all_members():
     svc = Service({"gpus": 2}, 2, Echo, name="tp", all_members=["set_weights"])
     try:

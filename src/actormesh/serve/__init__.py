@@ -22,6 +22,7 @@ neither torch nor FastAPI.
 
 from typing import Any
 
+from ._autoscale import Autoscaling
 from ._batching import batched
 from ._backend import EngineBackend, LocalBackend
 from ._engine import EngineClosedError, LLMEngine
@@ -38,6 +39,7 @@ __all__ = [
     "PromptLogprobs",
     "TokenGenerator",
     "Service",
+    "Autoscaling",
     "ServiceEndpoint",
     "Session",
     "ReplicaInfo",

@@ -173,8 +173,7 @@ class ServiceCore(ReplicaLifecycle):
             stats.latency.add(perf_counter() - req.start)
             if req.generation == r.generation:
                 r.in_flight -= 1
-                if r.queue:
-                    actions = self._pull(r)
+                actions = self._pull(r)  # its own queue, or a busier replica's
             if r.drained is not None and r.in_flight == 0 and r.state == DRAINING:
                 drained = r.drained
         if exc is None:
@@ -219,15 +218,29 @@ class ServiceCore(ReplicaLifecycle):
             act()
 
     def _pull(self, r: Replica) -> Actions:
-        """Move queued requests into free concurrency slots (under the lock)."""
+        """Move queued requests into free concurrency slots (under the lock): first ``r``'s
+        own, then those waiting on busier replicas (a replica just built, or one that went
+        idle, takes on a backlog that routing left elsewhere)."""
         actions: Actions = []
-        while r.queue and r.state == HEALTHY and r.in_flight < self.spec.max_concurrency:
-            nxt = r.queue.popleft()
+        while r.state == HEALTHY and r.in_flight < self.spec.max_concurrency:
+            nxt = r.queue.popleft() if r.queue else self._steal(r)
+            if nxt is None:
+                break
             r.in_flight += 1
             nxt.generation = r.generation
             sender = r.sender(nxt.endpoint, self.spec.to_all(nxt.endpoint))
             actions.append(partial(self._dispatch, r, nxt, sender))
         return actions
+
+    def _steal(self, r: Replica) -> Request | None:
+        """The oldest request that may run anywhere (no session, not a fanout's) queued on
+        the replica with the longest queue other than ``r``; None if there is none."""
+        for other in sorted((o for o in self._replicas if o is not r and o.queue), key=lambda o: -len(o.queue)):
+            for req in other.queue:
+                if req.session is None and not req.fanout:
+                    other.queue.remove(req)
+                    return req
+        return None
 
     def _resubmit(self, req: Request, cause: BaseException | None) -> None:
         """Route a request again (it never ran, or it is idempotent); fail it if no replica has room."""

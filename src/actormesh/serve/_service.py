@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 
 from ..mesh import this_host, this_proc
 from ..runtime import Actor, Future, endpoints_of
+from ._autoscale import Autoscaler, Autoscaling, autoscale
 from ._core import ServiceCore
 from ._metrics import ServiceMetrics
 from ._replica import DRAINING, STOPPED, ServiceOwner, register_core, unregister_core
@@ -79,6 +80,9 @@ class Service(Generic[T]):
       ``drain_timeout_s`` (30): how long a removed replica may finish its requests;
       ``max_rebuilds`` (3): failed rebuilds in a row before a dead replica is given up.
     - ``hosts``: the HostMesh to spawn replicas on (default ``this_host()``).
+    - ``autoscaling``: an :class:`Autoscaling` (Ray Serve's rule): the replica count
+      then follows the load between its bounds (``num_replicas`` is where it starts),
+      and ``scale`` by hand is refused.
 
     Raises TypeError/ValueError at once for a bad option, a class that is not an
     Actor, or arguments that do not fit its ``__init__``.
@@ -88,7 +92,7 @@ class Service(Generic[T]):
                  name: str | None = None, router: str | Router = "least_loaded", max_concurrency: int = 16, max_queue: int = 64,
                  idempotent: Iterable[str] = (), all_members: bool | Iterable[str] = (), max_retries: int = 2,
                  build_timeout_s: float = 120.0, drain_timeout_s: float = 30.0, max_rebuilds: int = 3, hosts: Any = None,
-                 actor_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 actor_kwargs: Mapping[str, Any] | None = None, autoscaling: Autoscaling | None = None, **kwargs: Any) -> None:
         eps = _check_class(actor_class, args, {**kwargs, **(actor_kwargs or {})})
         _check_int("num_replicas", num_replicas, 0)
         _check_int("max_concurrency", max_concurrency, 1)
@@ -98,6 +102,8 @@ class Service(Generic[T]):
         for label, value in (("build_timeout_s", build_timeout_s), ("drain_timeout_s", drain_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{label} must be a number of seconds > 0, got {value!r}")
+        if autoscaling is not None and (not isinstance(autoscaling, Autoscaling) or autoscaling.clamp(num_replicas) != num_replicas):
+            raise ValueError(f"autoscaling must be an actormesh.serve.Autoscaling whose bounds hold num_replicas={num_replicas}, got {autoscaling!r}")
         name = name or actor_class.__name__
         if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"name must be a non-empty str of letters, digits, '-' and '_', got {name!r}")
@@ -115,6 +121,7 @@ class Service(Generic[T]):
         register_core(self._key, core)
         core.owner = this_proc().spawn(f"{name}_owner", ServiceOwner, self._key)
         self._ready = gather([r.up for r in core.add_replicas(num_replicas)]).then(lambda _: None)
+        self.autoscaler = autoscale(core, autoscaling) if autoscaling is not None else None
 
     @classmethod
     def deploy(cls, actor_class: type[T], *args: Any, **overrides: Any) -> Service[T]:
@@ -167,6 +174,10 @@ class Service(Generic[T]):
         requests move to the others, and they stop after their requests in flight
         finish (at most ``drain_timeout_s``). The future completes when all is done."""
         _check_int("num_replicas", num_replicas, 0)
+        if self.autoscaler is not None:
+            cfg = self.autoscaler.decider.config
+            raise ValueError(f"service {self.name} autoscales between {cfg.min_replicas} and {cfg.max_replicas} replicas; "
+                             "it is not scaled by hand (create it without autoscaling= to do that)")
         return self._core.scale(num_replicas)
 
     def stop(self, drain_timeout_s: float | None = None) -> Future[None]:
@@ -175,6 +186,8 @@ class Service(Generic[T]):
         (default: the service's) to finish; then every proc is stopped. Idempotent."""
         if self._stopping is not None:
             return self._stopping
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         core = self._core
         drain = core.spec.drain_timeout_s if drain_timeout_s is None else float(drain_timeout_s)
         done: Future[None] = Future._create()
