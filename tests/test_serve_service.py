@@ -395,13 +395,6 @@ def test_asyncio_usage_end_to_end():
     assert asyncio.run(main()) == [0, 1, 2, 3, 4, 3]
 
 
-def test_a_service_cannot_be_pickled(svc2):
-    import pickle
-
-    with pytest.raises(TypeError, match="cannot be sent to another process"):
-        pickle.dumps(svc2)
-
-
 def test_streaming_through_a_port_argument(svc2):
     port, receiver = Channel.open()
     assert svc2.stream.route(5, port).get(timeout=GET_S) == 5

@@ -26,6 +26,7 @@ from ._autoscale import Autoscaling
 from ._batching import batched
 from ._backend import EngineBackend, LocalBackend
 from ._engine import EngineClosedError, LLMEngine
+from ._handle import HandleEndpoint, ServiceHandle
 from ._errors import ReplicaFailed, ServiceError, ServiceOverloaded, ServiceStopped, ServiceUnavailable, UnknownSession
 from ._llm_client import LLMServerClient
 from ._llm_server import LLMServer, spawn_llm_server
@@ -40,6 +41,8 @@ __all__ = [
     "TokenGenerator",
     "Service",
     "Autoscaling",
+    "ServiceHandle",
+    "HandleEndpoint",
     "ServiceEndpoint",
     "Session",
     "ReplicaInfo",

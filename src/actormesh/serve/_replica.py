@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..mesh import ProcMesh
-from ..runtime import Actor, Future, MeshFailure, concurrent_endpoint
+from ..runtime import Actor, Future, MeshFailure, concurrent_endpoint, endpoints_of
 from ._metrics import ReplicaStats
 
 if TYPE_CHECKING:
@@ -112,11 +112,25 @@ class ServiceOwner(Actor):
 
     def __init__(self, key: str) -> None:
         self._core = _cores[key]
+        self._endpoints = endpoints_of(self._core.spec.actor_class)
 
     async def __supervise__(self, failure: MeshFailure) -> bool:
         # Every mesh this actor owns is a replica (or an abandoned incarnation of one).
         self._core.on_replica_failure(failure.mesh_name, failure.cause)
         return True
+
+    @concurrent_endpoint
+    async def route(self, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any], session: str | None) -> Any:
+        """A request from a :class:`~._handle.ServiceHandle` in another process, routed as
+        ``svc.endpoint.route`` would route it here; its value (or error) goes back."""
+        self._endpoints[endpoint].bind_check(args, kwargs)
+        return await self._core.submit(endpoint, args, kwargs, session).as_asyncio()
+
+    @concurrent_endpoint
+    async def fanout(self, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """``svc.endpoint.fanout`` for a handle in another process."""
+        self._endpoints[endpoint].bind_check(args, kwargs)
+        return await self._core.fanout(endpoint, args, kwargs).as_asyncio()
 
     @concurrent_endpoint
     async def build(self, slot: int, generation: int, delay_s: float) -> None:

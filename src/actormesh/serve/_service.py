@@ -33,6 +33,7 @@ from ..mesh import this_host, this_proc
 from ..runtime import Actor, Future, endpoints_of
 from ._autoscale import Autoscaler, Autoscaling, autoscale
 from ._core import ServiceCore
+from ._handle import ServiceHandle
 from ._metrics import ServiceMetrics
 from ._replica import DRAINING, STOPPED, ServiceOwner, register_core, unregister_core
 from ..runtime import gather
@@ -248,8 +249,9 @@ class Service(Generic[T]):
         await self.stop()
 
     def __reduce__(self) -> Any:
-        raise TypeError("a Service cannot be sent to another process: it routes from the process that created it "
-                        "(send its results, or a replica's mesh from svc.replicas(), instead)")
+        # Sent to another process (an endpoint's or a constructor's argument), a service is a
+        # handle that routes through this process's owner actor (see _handle.py).
+        return (ServiceHandle, (self._core.owner, self.name, frozenset(self._endpoints)))
 
     def __repr__(self) -> str:
         return f"<Service {self.name} of {self._core.spec.actor_class.__qualname__}: {len(self._core.replicas())} replicas>"
