@@ -23,21 +23,20 @@ Example::
 from __future__ import annotations
 
 import contextvars
-import inspect
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ..mesh import this_host, this_proc
-from ..runtime import Actor, Future, endpoints_of
+from ..runtime import Actor, Future
 from ._autoscale import Autoscaler, Autoscaling, autoscale
 from ._core import ServiceCore
 from ._handle import ServiceHandle
 from ._metrics import ServiceMetrics
 from ._replica import DRAINING, STOPPED, ServiceOwner, register_core, unregister_core
 from ..runtime import gather
-from ._request import ServiceSpec
+from ._request import ServiceSpec, check_class, check_int, endpoint_names, per_host
 from ._router import Router, make_router
 
 __all__ = ["Service", "ServiceEndpoint", "Session", "ReplicaInfo", "service"]
@@ -94,12 +93,12 @@ class Service(Generic[T]):
                  idempotent: Iterable[str] = (), all_members: bool | Iterable[str] = (), max_retries: int = 2,
                  build_timeout_s: float = 120.0, drain_timeout_s: float = 30.0, max_rebuilds: int = 3, hosts: Any = None,
                  actor_kwargs: Mapping[str, Any] | None = None, autoscaling: Autoscaling | None = None, **kwargs: Any) -> None:
-        eps = _check_class(actor_class, args, {**kwargs, **(actor_kwargs or {})})
-        _check_int("num_replicas", num_replicas, 0)
-        _check_int("max_concurrency", max_concurrency, 1)
-        _check_int("max_queue", max_queue, 0)
-        _check_int("max_retries", max_retries, 0)
-        _check_int("max_rebuilds", max_rebuilds, 0)
+        eps = check_class(actor_class, args, {**kwargs, **(actor_kwargs or {})})
+        check_int("num_replicas", num_replicas, 0)
+        check_int("max_concurrency", max_concurrency, 1)
+        check_int("max_queue", max_queue, 0)
+        check_int("max_retries", max_retries, 0)
+        check_int("max_rebuilds", max_rebuilds, 0)
         for label, value in (("build_timeout_s", build_timeout_s), ("drain_timeout_s", drain_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{label} must be a number of seconds > 0, got {value!r}")
@@ -110,9 +109,9 @@ class Service(Generic[T]):
             raise ValueError(f"name must be a non-empty str of letters, digits, '-' and '_', got {name!r}")
         spec = ServiceSpec(
             name=name, actor_class=actor_class, args=tuple(args), kwargs={**kwargs, **(actor_kwargs or {})},
-            per_host=_per_host(procs_per_replica), hosts=hosts if hosts is not None else this_host(),
-            max_concurrency=max_concurrency, max_queue=max_queue, idempotent=_names("idempotent", idempotent, eps, actor_class),
-            all_members=frozenset("*") if all_members is True else _names("all_members", all_members or (), eps, actor_class),
+            per_host=per_host(procs_per_replica), hosts=hosts if hosts is not None else this_host(),
+            max_concurrency=max_concurrency, max_queue=max_queue, idempotent=endpoint_names("idempotent", idempotent, eps, actor_class),
+            all_members=frozenset("*") if all_members is True else endpoint_names("all_members", all_members or (), eps, actor_class),
             max_retries=max_retries, build_timeout_s=float(build_timeout_s), drain_timeout_s=float(drain_timeout_s), max_rebuilds=max_rebuilds,
         )
         self._key = f"{name}-{os.urandom(6).hex()}"
@@ -174,7 +173,7 @@ class Service(Generic[T]):
         the background; removed ones stop taking requests at once, their queued
         requests move to the others, and they stop after their requests in flight
         finish (at most ``drain_timeout_s``). The future completes when all is done."""
-        _check_int("num_replicas", num_replicas, 0)
+        check_int("num_replicas", num_replicas, 0)
         if self.autoscaler is not None:
             cfg = self.autoscaler.decider.config
             raise ValueError(f"service {self.name} autoscales between {cfg.min_replicas} and {cfg.max_replicas} replicas; "
@@ -216,7 +215,7 @@ class Service(Generic[T]):
         flight fail with ``ReplicaFailed``, its queued ones move to other replicas).
         ``generation`` pins the incarnation meant (see :meth:`replicas`): a newer one is
         left alone. Returns False when that incarnation is not healthy (already gone)."""
-        _check_int("slot", slot, 0)
+        check_int("slot", slot, 0)
         return self._core.restart(slot, generation, reason)
 
     def capacity(self) -> int:
@@ -344,47 +343,8 @@ def service(procs_per_replica: int | Mapping[str, int] = 1, num_replicas: int = 
     """
 
     def mark(cls: type[T]) -> type[T]:
-        _check_class(cls, None, None)
+        check_class(cls, None, None)
         cls.__actormesh_service__ = {"procs_per_replica": procs_per_replica, "num_replicas": num_replicas, **options}  # type: ignore[attr-defined]
         return cls
 
     return mark
-
-
-def _check_class(cls: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    if not (isinstance(cls, type) and issubclass(cls, Actor)):
-        raise ValueError(f"a service needs an Actor subclass, got {cls!r}")
-    if args is not None and cls.__init__ is not object.__init__:
-        try:
-            inspect.signature(cls.__init__).bind(None, *args, **(kwargs or {}))
-        except TypeError as exc:
-            raise TypeError(f"bad arguments for {cls.__qualname__}.__init__: {exc}") from None
-    return endpoints_of(cls)
-
-
-def _check_int(label: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
-
-
-def _per_host(procs: Any) -> dict[str, int]:
-    if isinstance(procs, Mapping):
-        if not procs:
-            raise ValueError("procs_per_replica must not be an empty dict")
-        for label, size in procs.items():
-            if not isinstance(label, str):
-                raise TypeError(f"procs_per_replica keys must be dimension names (str), got {label!r}")
-            _check_int(f"procs_per_replica[{label!r}]", size, 1)
-        return dict(procs)
-    _check_int("procs_per_replica", procs, 1)
-    return {"gpus": procs}
-
-
-def _names(label: str, names: Iterable[str], eps: dict[str, Any], cls: type) -> frozenset[str]:
-    if isinstance(names, str):
-        names = [names]
-    out = frozenset(names)
-    unknown = sorted(out - set(eps))
-    if unknown:
-        raise ValueError(f"{label} names {unknown}, which are not endpoints of {cls.__qualname__} (its endpoints: {sorted(eps)})")
-    return out
