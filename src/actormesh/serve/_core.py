@@ -295,6 +295,17 @@ class ServiceCore(ReplicaLifecycle):
             self._dispatch(r, req, sender)
         return [(r.slot, req.generation, req.future) for r, req, _ in sent]
 
+    def senders_of(self, endpoint: str) -> list[tuple[int, int, Callable[[], Future[Any]]]]:
+        """``(slot, incarnation, send)`` for every healthy replica: ``send()`` calls ``endpoint``
+        there with no arguments, past admission and the request counts (health checks)."""
+        with self._lock:
+            out = []
+            for r in self._replicas:
+                if r.state == HEALTHY:
+                    adverb, _ = r.sender(endpoint, self.spec.to_all(endpoint))
+                    out.append((r.slot, r.generation, adverb))
+            return out
+
     def metrics(self) -> ServiceMetrics:
         """A snapshot of every replica's counters."""
         with self._lock:

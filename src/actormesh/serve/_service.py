@@ -33,6 +33,7 @@ from ..runtime import Actor, Future
 from ._autoscale import Autoscaler, Autoscaling, autoscale
 from ._core import ServiceCore
 from ._handle import ServiceHandle
+from ._health import CHECK, HealthChecker
 from ._metrics import ServiceMetrics
 from ._replica import DRAINING, STOPPED, ServiceOwner, register_core, unregister_core
 from ..runtime import gather
@@ -80,6 +81,9 @@ class Service(Generic[T]):
       ``drain_timeout_s`` (30): how long a removed replica may finish its requests;
       ``max_rebuilds`` (3): failed rebuilds in a row before a dead replica is given up.
     - ``hosts``: the HostMesh to spawn replicas on (default ``this_host()``).
+    - ``health_check_period_s`` (10): how often a class with a ``check_health`` endpoint
+      (Ray Serve's name) is asked on every healthy replica; a check that raises
+      restarts that replica, one not answered yet is waited for (busy is not dead).
     - ``autoscaling``: an :class:`Autoscaling` (Ray Serve's rule): the replica count
       then follows the load between its bounds (``num_replicas`` is where it starts),
       and ``scale`` by hand is refused.
@@ -92,7 +96,8 @@ class Service(Generic[T]):
                  name: str | None = None, router: str | Router = "least_loaded", max_concurrency: int = 16, max_queue: int = 64,
                  idempotent: Iterable[str] = (), all_members: bool | Iterable[str] = (), max_retries: int = 2,
                  build_timeout_s: float = 120.0, drain_timeout_s: float = 30.0, max_rebuilds: int = 3, hosts: Any = None,
-                 actor_kwargs: Mapping[str, Any] | None = None, autoscaling: Autoscaling | None = None, **kwargs: Any) -> None:
+                 actor_kwargs: Mapping[str, Any] | None = None, autoscaling: Autoscaling | None = None, health_check_period_s: float = 10.0,
+                 **kwargs: Any) -> None:
         eps = check_class(actor_class, args, {**kwargs, **(actor_kwargs or {})})
         check_int("num_replicas", num_replicas, 0)
         check_int("max_concurrency", max_concurrency, 1)
@@ -102,6 +107,9 @@ class Service(Generic[T]):
         for label, value in (("build_timeout_s", build_timeout_s), ("drain_timeout_s", drain_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{label} must be a number of seconds > 0, got {value!r}")
+        if isinstance(health_check_period_s, bool) or not isinstance(health_check_period_s, (int, float)) \
+                or not 0 < health_check_period_s < float("inf"):
+            raise ValueError(f"health_check_period_s must be a finite number of seconds > 0, got {health_check_period_s!r}")
         if autoscaling is not None and (not isinstance(autoscaling, Autoscaling) or autoscaling.clamp(num_replicas) != num_replicas):
             raise ValueError(f"autoscaling must be an actormesh.serve.Autoscaling whose bounds hold num_replicas={num_replicas}, got {autoscaling!r}")
         name = name or actor_class.__name__
@@ -122,6 +130,7 @@ class Service(Generic[T]):
         core.owner = this_proc().spawn(f"{name}_owner", ServiceOwner, self._key)
         self._ready = gather([r.up for r in core.add_replicas(num_replicas)]).then(lambda _: None)
         self.autoscaler = autoscale(core, autoscaling) if autoscaling is not None else None
+        self.health = HealthChecker(core, float(health_check_period_s)) if CHECK in eps else None
 
     @classmethod
     def deploy(cls, actor_class: type[T], *args: Any, **overrides: Any) -> Service[T]:
@@ -186,8 +195,9 @@ class Service(Generic[T]):
         (default: the service's) to finish; then every proc is stopped. Idempotent."""
         if self._stopping is not None:
             return self._stopping
-        if self.autoscaler is not None:
-            self.autoscaler.stop()
+        for thread in (self.autoscaler, self.health):
+            if thread is not None:
+                thread.stop()
         core = self._core
         drain = core.spec.drain_timeout_s if drain_timeout_s is None else float(drain_timeout_s)
         done: Future[None] = Future._create()
