@@ -98,3 +98,36 @@ def test_a_generator_past_max_tokens_is_closed(tok: Any) -> None:
     assert pieces[-1].finish_reason == "length" and pieces[-1].completion_tokens == 3
     assert gen.closed and gen.yielded == 4  # one past the limit, then closed
     assert "".join(p.text for p in pieces) == tok.decode([300] * 3)
+
+
+class _Script:
+    """Yields fixed token ids (does not itself honour min_tokens)."""
+
+    max_context = 64
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        for t in self.ids[: params.max_tokens]:
+            yield t
+
+
+def test_min_tokens_holds_off_stop_strings_and_stop_ids_as_in_vllm(tok: Any) -> None:
+    ids = tok.encode("ab, cd, ef")
+
+    def text(params: SamplingParams, stops: list[str]) -> tuple[str, str | None]:
+        async def main() -> list[Piece]:
+            return [p async for p in run_sequence(_Script(ids + [0]), 0, [1], params, TextDecoder(tok, stops))]
+
+        pieces = asyncio.run(main())
+        return "".join(p.text for p in pieces), pieces[-1].finish_reason
+
+    assert text(SamplingParams(max_tokens=20), [","]) == ("ab", "stop")
+    first_comma = next(i for i in range(len(ids)) if "," in tok.decode(ids[: i + 1]))
+    # the first "," comes before min_tokens: kept; the next one, after it, stops
+    assert text(SamplingParams(max_tokens=20, min_tokens=first_comma + 2), [","]) == ("ab, cd", "stop")
+    # a stop id before min_tokens is not an end either (a generator that does not hold it off itself)
+    stop_id = ids[0]
+    assert text(SamplingParams(max_tokens=20, stop_token_ids=[stop_id]), []) == ("", "stop")
+    assert text(SamplingParams(max_tokens=20, stop_token_ids=[stop_id], min_tokens=1), []) == (tok.decode(ids), "stop")

@@ -55,6 +55,7 @@ class TextDecoder:
         self._read = 0
         self._held = ""  # final text kept back because it may start a stop string
         self.stopped = False
+        self._checking = True  # whether the text fed last is searched for stop strings
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -63,10 +64,12 @@ class TextDecoder:
         """One token's own bytes (maybe part of a character), as OpenAI's logprobs list it."""
         return token_bytes(self._tok, token_id)
 
-    def feed(self, token_id: int) -> str:
-        """Add one token; return the text that became final (maybe empty)."""
+    def feed(self, token_id: int, stops: bool = True) -> str:
+        """Add one token; return the text that became final (maybe empty). ``stops=False``:
+        its text is not searched for stop strings (vLLM's ``min_tokens`` not yet reached)."""
         if self.stopped:
             return ""
+        self._checking = stops
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
@@ -91,7 +94,7 @@ class TextDecoder:
     def _cut(self, delta: str) -> str:
         """Apply stop strings to held text + ``delta``; return the final part."""
         text = self._held + delta
-        if not self._stops:
+        if not self._stops or not self._checking:
             self._held = ""
             return text
         hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
@@ -185,12 +188,13 @@ async def run_sequence(generator: TokenGenerator, index: int, prompt_ids: list[i
             count += 1
             # With logprobs, generators yield (token id, log-probability[, top tokens]).
             tid, logprob, top = (item[0], item[1], item[2] if len(item) > 2 else ()) if type(item) is tuple else (item, None, ())
-            if tid in stop_ids:
+            # vLLM's min_tokens: a stop token only after that many tokens, stop strings from the last of them
+            if tid in stop_ids and count > params.min_tokens:
                 finish = "stop"
                 continue
             if want:
                 scored.append(_score(decoder, tid, logprob, top))
-            delta = decoder.feed(tid)
+            delta = decoder.feed(tid, stops=count >= params.min_tokens)
             if decoder.stopped:
                 finish = "stop"
                 if delta:
