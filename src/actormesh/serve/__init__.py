@@ -16,7 +16,8 @@ replica on a proc mesh under ``Plan(tp=..., pp=...)``) and
 
 HTTP (docs/serve_http.md): ``serve_openai`` (a model directory over OpenAI's
 API), ``LLMService`` (a Service of LLMServer replicas as one TokenGenerator),
-``create_openai_app`` and ``OpenAIServer`` are loaded on first use. Importing this package imports
+``create_openai_app`` and ``OpenAIServer``, and vLLM's offline ``LLM`` (``generate``,
+``chat``; docs/generate.md) are loaded on first use. Importing this package imports
 neither torch nor FastAPI.
 """
 
@@ -71,6 +72,9 @@ __all__ = [
     "create_openai_app",
     "OpenAIServer",
     "serve_openai",
+    "LLM",
+    "RequestOutput",
+    "CompletionOutput",
 ]
 
 #: lazily loaded name -> module that defines it (FastAPI and uvicorn load on first use)
@@ -79,6 +83,9 @@ _LAZY = {
     "create_openai_app": "._openai_routes",
     "OpenAIServer": "._openai_server",
     "serve_openai": "._openai_main",
+    "LLM": "._offline",
+    "RequestOutput": "._offline",
+    "CompletionOutput": "._offline",
 }
 
 

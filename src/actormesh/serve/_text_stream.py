@@ -136,6 +136,8 @@ class Piece:
     #: with ``SamplingParams.prompt_logprobs``, on a choice's first piece: every prompt token, scored
     #: (the first has no log-probability)
     prompt: tuple[TokenScore, ...] | None = None
+    #: the ids of the tokens generated since the last piece (stop tokens excluded)
+    token_ids: tuple[int, ...] = ()
 
 
 async def close_iterator(it: Any) -> None:
@@ -170,11 +172,13 @@ async def run_sequence(generator: TokenGenerator, index: int, prompt_ids: list[i
     want = params.logprobs
     scored: list[TokenScore] = []  # tokens not yet in a piece, with their log-probabilities
     prompt: tuple[TokenScore, ...] | None = None  # the scored prompt, until a piece carries it
+    fresh: list[int] = []  # ids of the tokens not yet in a piece
 
     def piece(text: str, finish_reason: str | None) -> Piece:  # takes the scores gathered so far
         nonlocal prompt
-        out = Piece(index, text, finish_reason, count, tuple(scored), prompt)
+        out = Piece(index, text, finish_reason, count, tuple(scored), prompt, tuple(fresh))
         scored.clear()
+        fresh.clear()
         prompt = None
         return out
 
@@ -192,6 +196,7 @@ async def run_sequence(generator: TokenGenerator, index: int, prompt_ids: list[i
             if tid in stop_ids and count > params.min_tokens:
                 finish = "stop"
                 continue
+            fresh.append(tid)
             if want:
                 scored.append(_score(decoder, tid, logprob, top))
             delta = decoder.feed(tid, stops=count >= params.min_tokens)

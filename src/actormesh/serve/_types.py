@@ -58,6 +58,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     #: vLLM's: none of ``stop_token_ids`` is picked before this many new tokens
     min_tokens: int = 0
+    #: vLLM's: strings that end the text (not included); a str or a sequence of them. Applied where
+    #: tokens become text (``LLM``, the HTTP server), not by token generators
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Each value is checked here because one request's bad value, once in a batch, would
@@ -88,6 +91,10 @@ class SamplingParams:
         if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 turns it off), got {self.repetition_penalty!r}")
         _int("min_tokens", self.min_tokens, 0, self.max_tokens, "", " (at most max_tokens)")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop) if isinstance(self.stop, Iterable) else None
+        if stop is None or not all(isinstance(x, str) for x in stop):
+            raise ValueError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _real(value) or not -2.0 <= value <= 2.0:
