@@ -70,6 +70,16 @@ def test_stop_strings_logprobs_and_chat(llm: LLM) -> None:
     assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
 
 
+def test_n_sequences_per_prompt_each_with_its_own_seed(llm: LLM) -> None:
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=3))
+    assert [[c.index for c in o.outputs] for o in outs] == [[0, 1, 2], [0, 1, 2]]
+    assert len({c.token_ids for c in outs[0].outputs}) > 1, "three draws, three seeds"
+    one = llm.generate("a", SamplingParams(max_tokens=6, temperature=1.0, seed=6))[0].outputs[0]
+    assert one.token_ids == outs[0].outputs[1].token_ids, "sequence j draws with seed + j"
+    with pytest.raises(ValueError, match="one generation request is one sequence"):
+        llm.service.generate([1, 2], SamplingParams(n=2))
+
+
 def test_bad_input_is_refused_before_anything_runs(llm: LLM) -> Any:
     with pytest.raises(ValueError, match="over the model's context"):
         llm.generate(["fine", "x " * 500], SamplingParams(max_tokens=4))

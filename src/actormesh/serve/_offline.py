@@ -118,20 +118,23 @@ class LLM:
 
     async def _run(self, texts: list[str | None], ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
         svc = self.service
-        for p, prompt in zip(params, ids):  # a bad prompt (too long, out of vocabulary) is refused before any runs
-            check_prompt(prompt, p, svc.max_context, svc.vocab_size)
+        runs = [(i, j, _choice(p, j)) for i, p in enumerate(params) for j in range(p.n)]
+        for i, _, p in runs:  # a bad prompt (too long, out of vocabulary) is refused before any runs
+            check_prompt(ids[i], p, svc.max_context, svc.vocab_size)
         # Half the service's room: a request's stream can end before its replica call returns (and frees
         # its place), so up to twice this many may still count there at once.
         room = asyncio.Semaphore(max(1, svc.max_sequences // 2))
 
-        async def one(i: int) -> CompletionOutput:
+        async def one(i: int, j: int, p: SamplingParams) -> CompletionOutput:
             async with room:
-                pieces = [piece async for piece in run_sequence(self.service, i, ids[i], params[i],
-                                                                   TextDecoder(self.tokenizer, params[i].stop))]
-            return _output(pieces, params[i].logprobs)
+                pieces = [piece async for piece in run_sequence(svc, j, ids[i], p, TextDecoder(self.tokenizer, p.stop))]
+            return _output(j, pieces, p.logprobs)
 
-        outs = await asyncio.gather(*(one(i) for i in range(len(ids))))
-        return [RequestOutput(str(i), texts[i], ids[i], [out]) for i, out in enumerate(outs)]
+        outs = await asyncio.gather(*(one(*run) for run in runs))
+        per: list[list[CompletionOutput]] = [[] for _ in ids]
+        for (i, _, _), out in zip(runs, outs):
+            per[i].append(out)
+        return [RequestOutput(str(i), texts[i], ids[i], per[i]) for i in range(len(ids))]
 
     def close(self) -> None:
         """Stop every replica's procs."""
@@ -144,7 +147,14 @@ class LLM:
         self.close()
 
 
-def _output(pieces: list[Piece], logprobs: bool) -> CompletionOutput:
+def _choice(params: SamplingParams, j: int) -> SamplingParams:
+    """The engine request of sequence ``j`` of a prompt: one sequence, its own seed."""
+    if params.n == 1:
+        return params
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+
+
+def _output(index: int, pieces: list[Piece], logprobs: bool) -> CompletionOutput:
     tokens = tuple(t for p in pieces for t in p.token_ids)
     scores = tuple(lp for p in pieces for _, lp, _ in p.logprobs) if logprobs else None
-    return CompletionOutput(0, "".join(p.text for p in pieces), tokens, pieces[-1].finish_reason or "stop", scores)
+    return CompletionOutput(index, "".join(p.text for p in pieces), tokens, pieces[-1].finish_reason or "stop", scores)

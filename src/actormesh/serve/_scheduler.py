@@ -67,6 +67,9 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, max_context: int
     """The prompt as a list of ints; ValueError naming the problem if it is empty, out of vocabulary or too long."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be actormesh.serve.SamplingParams, got {type(params).__name__}")
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: one generation request is one sequence; LLM.generate runs n of them "
+                         "(or send n requests, each with its own seed)")
     try:
         ids = [int(t) for t in prompt_ids]
     except (TypeError, ValueError) as exc:

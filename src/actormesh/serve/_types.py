@@ -61,6 +61,9 @@ class SamplingParams:
     #: vLLM's: strings that end the text (not included); a str or a sequence of them. Applied where
     #: tokens become text (``LLM``, the HTTP server), not by token generators
     stop: tuple[str, ...] = ()
+    #: vLLM's: sequences per prompt, for the text layer (``LLM.generate`` runs ``n`` requests, the
+    #: ``j``-th with ``seed + j`` when seeded); one engine request is one sequence (n must be 1 there)
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Each value is checked here because one request's bad value, once in a batch, would
@@ -91,6 +94,7 @@ class SamplingParams:
         if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 turns it off), got {self.repetition_penalty!r}")
         _int("min_tokens", self.min_tokens, 0, self.max_tokens, "", " (at most max_tokens)")
+        _int("n", self.n, 1)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop) if isinstance(self.stop, Iterable) else None
         if stop is None or not all(isinstance(x, str) for x in stop):
             raise ValueError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
