@@ -75,6 +75,8 @@ __all__ = [
     "LLM",
     "RequestOutput",
     "CompletionOutput",
+    "create_service_app",
+    "serve_http",
 ]
 
 #: lazily loaded name -> module that defines it (FastAPI and uvicorn load on first use)
@@ -86,6 +88,8 @@ _LAZY = {
     "LLM": "._offline",
     "RequestOutput": "._offline",
     "CompletionOutput": "._offline",
+    "create_service_app": "._http_ingress",
+    "serve_http": "._http_ingress",
 }
 
 

@@ -245,6 +245,11 @@ class Service(Generic[T]):
         """The service's name."""
         return self._core.spec.name
 
+    @property
+    def endpoint_names(self) -> tuple[str, ...]:
+        """The names of its endpoints, sorted."""
+        return tuple(sorted(self._endpoints))
+
     def __enter__(self) -> Service[T]:
         return self
 
