@@ -3,6 +3,7 @@ real replica procs: HF's greedy text, batches larger than the service, stop stri
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,3 +88,9 @@ def test_bad_input_is_refused_before_anything_runs(llm: LLM) -> Any:
         llm.generate(["a", "b"], [SamplingParams()] * 3)
     with pytest.raises(ValueError, match="at least one prompt"):
         llm.generate([])
+
+    async def inside_a_loop() -> None:
+        llm.generate("a")
+
+    with pytest.raises(RuntimeError, match="cannot run inside an event loop"):
+        asyncio.run(inside_a_loop())

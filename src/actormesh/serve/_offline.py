@@ -88,7 +88,7 @@ class LLM:
         The model's EOS ends a sequence unless ``stop_token_ids`` already names what ends it."""
         texts, ids = self._encode(prompts)
         per = self._params(sampling_params, len(ids))
-        return asyncio.run(self._run(texts, ids, per))
+        return _blocking(self._run(texts, ids, per))
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -97,7 +97,7 @@ class LLM:
         many = bool(messages) and not isinstance(messages[0], dict)
         convs = list(messages) if many else [messages]
         ids = [self._prompts.chat_prompt([ChatMessage(**m) for m in conv]) for conv in convs]  # type: ignore[arg-type]
-        return asyncio.run(self._run([None] * len(ids), ids, self._params(sampling_params, len(ids))))
+        return _blocking(self._run([None] * len(ids), ids, self._params(sampling_params, len(ids))))
 
     def _encode(self, prompts: Any) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
@@ -145,6 +145,17 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _blocking(work: Any) -> list[RequestOutput]:
+    """Run ``work`` (a coroutine) to its end on a loop of its own; refused inside a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    work.close()
+    raise RuntimeError("LLM.generate and LLM.chat block until done, so they cannot run inside an event loop; "
+                       "in async code iterate llm.service.generate(prompt_ids, params) (a TokenGenerator)")
 
 
 def _choice(params: SamplingParams, j: int) -> SamplingParams:
