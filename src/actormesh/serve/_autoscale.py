@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ServiceStopped
+from ._periodic import PeriodicThread
 from ._replica import HEALTHY, STARTING
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class ScaleDecider:
         return want
 
 
-class Autoscaler:
+class Autoscaler(PeriodicThread):
     """The thread that samples a service's load and scales it; owned by the service
     (``stop`` joins it). ``sample()`` gives ``(in flight + queued, refused so far,
     replicas kept)``; ``scale(n)`` returns a Future."""
@@ -125,35 +125,27 @@ class Autoscaler:
                  scale: Callable[[int], Any], clock: Callable[[], float] = time.monotonic) -> None:
         self.decider = ScaleDecider(config)
         self._sample, self._scale, self._clock = sample, scale, clock
-        self._stop = threading.Event()
         self.decisions: list[tuple[int, int]] = []  #: (from, to) of each scale it asked for, in order
-        self._thread = threading.Thread(target=self._run, name=f"autoscaler-{name}", daemon=True)
-        self._thread.start()
+        self._refused_before = 0
+        self._pending: Any = None  # the Future of the last scale asked for
+        super().__init__(f"autoscaler-{name}", config.interval_s)
 
-    def _run(self) -> None:
-        cfg = self.decider.config
-        refused_before, pending = 0, None
-        while not self._stop.wait(cfg.interval_s):
-            ongoing, refused, current = self._sample()
-            demand = ongoing + max(0, refused - refused_before)
-            refused_before = refused
-            target = self.decider.decide(self._clock(), demand, current)
-            if target == current or (pending is not None and not pending.done()):
-                continue
-            try:
-                pending = self._scale(target)
-            except ServiceStopped:
-                return
-            except Exception:  # the service must keep serving: log it and decide again later
-                log.exception("autoscaling from %d to %d replicas failed", current, target)
-                continue
-            self.decisions.append((current, target))
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """End the thread (it wakes at once) and wait for it."""
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
+    def tick(self) -> bool | None:
+        ongoing, refused, current = self._sample()
+        demand = ongoing + max(0, refused - self._refused_before)
+        self._refused_before = refused
+        target = self.decider.decide(self._clock(), demand, current)
+        if target == current or (self._pending is not None and not self._pending.done()):
+            return None
+        try:
+            self._pending = self._scale(target)
+        except ServiceStopped:
+            return False
+        except Exception:  # the service must keep serving: log it and decide again later
+            log.exception("autoscaling from %d to %d replicas failed", current, target)
+            return None
+        self.decisions.append((current, target))
+        return None
 
 
 def autoscale(core: ServiceCore, config: Autoscaling) -> Autoscaler:

@@ -15,8 +15,9 @@ is the runtime's liveness checks' business.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
+
+from ._periodic import PeriodicThread
 
 if TYPE_CHECKING:
     from ._core import ServiceCore
@@ -29,33 +30,30 @@ log = logging.getLogger("actormesh.serve")
 CHECK = "check_health"
 
 
-class HealthChecker:
+class HealthChecker(PeriodicThread):
     """The thread that checks a service's replicas; owned by the service (``stop`` joins it)."""
 
     def __init__(self, core: ServiceCore, period_s: float) -> None:
         self._core = core
-        self._period_s = period_s
-        self._stop = threading.Event()
         self.rounds = 0  #: check rounds run so far
         self.failed: list[tuple[int, int, str]] = []  #: (slot, incarnation, error) of each check that raised
-        self._thread = threading.Thread(target=self._run, name=f"health-{core.spec.name}", daemon=True)
-        self._thread.start()
+        self._pending: dict[int, tuple[int, Any]] = {}  # slot -> (incarnation, its check's future)
+        super().__init__(f"health-{core.spec.name}", period_s)
 
-    def _run(self) -> None:
-        pending: dict[int, tuple[int, Any]] = {}  # slot -> (incarnation, its check's future)
-        while not self._stop.wait(self._period_s):
-            for slot, (generation, fut) in list(pending.items()):
-                if fut.done():
-                    del pending[slot]
-                    self._settle(slot, generation, fut)
-            for slot, generation, send in self._core.senders_of(CHECK):
-                if slot in pending and pending[slot][0] == generation:
-                    continue  # its last check has not answered: busy, not dead
-                try:
-                    pending[slot] = (generation, send())
-                except Exception as exc:  # the replica went away meanwhile: supervision has it
-                    log.debug("health check of replica %d not sent: %r", slot, exc)
-            self.rounds += 1
+    def tick(self) -> None:
+        pending = self._pending
+        for slot, (generation, fut) in list(pending.items()):
+            if fut.done():
+                del pending[slot]
+                self._settle(slot, generation, fut)
+        for slot, generation, send in self._core.senders_of(CHECK):
+            if slot in pending and pending[slot][0] == generation:
+                continue  # its last check has not answered: busy, not dead
+            try:
+                pending[slot] = (generation, send())
+            except Exception as exc:  # the replica went away meanwhile: supervision has it
+                log.debug("health check of replica %d not sent: %r", slot, exc)
+        self.rounds += 1
 
     def _settle(self, slot: int, generation: int, fut: Any) -> None:
         try:
@@ -64,9 +62,3 @@ class HealthChecker:
             self.failed.append((slot, generation, repr(exc)))
             if self._core.restart(slot, generation, f"its {CHECK}() raised: {exc!r}"):
                 log.warning("replica %d of %s failed its %s(); restarting it: %r", slot, self._core.spec.name, CHECK, exc)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """End the thread (it wakes at once) and wait for it."""
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)

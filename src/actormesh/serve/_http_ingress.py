@@ -34,14 +34,11 @@ from fastapi.responses import JSONResponse
 
 from ..errors import ActorError, SupervisionError
 from ._errors import ServiceOverloaded, ServiceStopped, ServiceUnavailable
+from ._openai_errors import RETRY_AFTER_S
 from ._openai_server import OpenAIServer
 from ._service import Service
 
 __all__ = ["create_service_app", "serve_http"]
-
-#: what a client waits before retrying a request that did not run
-RETRY_AFTER_S = 1
-
 
 def _error(status: int, kind: str, message: str, retry: bool = False) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
